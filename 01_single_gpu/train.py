@@ -1,0 +1,187 @@
+"""Stage 01: train on one device (a GPU if one is visible, else the CPU).
+
+This is the baseline every later stage must reproduce: same data, same model, same
+order of samples. Later stages only change *how the work is split*, so with the same
+seed and the same global batch they end at the same weights.
+
+    python 01_single_gpu/train.py
+    python 01_single_gpu/train.py --device cpu --epochs 5 --out runs/01
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
+
+STAGE = "01_single_gpu"
+N_TRAIN, N_EVAL = 4096, 1001  # 1001 is odd: the held-out set never splits evenly over 2, 4 or 8 ranks
+N_FEATURES, N_CLASSES, HIDDEN = 8, 4, 64
+
+
+def make_data(seed: int) -> tuple[TensorDataset, TensorDataset]:
+    """A task with a known answer: the label is the argmax of a fixed random linear map of x."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N_TRAIN + N_EVAL, N_FEATURES, generator=g)
+    teacher = torch.randn(N_FEATURES, N_CLASSES, generator=g)
+    y = (x @ teacher).argmax(dim=1)
+    return TensorDataset(x[:N_TRAIN], y[:N_TRAIN]), TensorDataset(x[N_TRAIN:], y[N_TRAIN:])
+
+
+class Net(nn.Module):
+    """A small MLP in two halves; stage 07 puts `body` and `head` on different devices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(N_FEATURES, HIDDEN), nn.ReLU())
+        self.head = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, N_CLASSES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def load_train_objs(args: argparse.Namespace, device: torch.device):
+    train_set, eval_set = make_data(args.seed)
+    torch.manual_seed(args.seed)  # the same initial weights in every stage
+    model = Net().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    return train_set, eval_set, model, optimizer
+
+
+def prepare_dataloader(dataset: Dataset, batch_size: int) -> DataLoader:
+    # The Trainer reseeds this generator every epoch, so epoch e visits the samples in the
+    # order torch.randperm(N, seed + e): the order DistributedSampler uses in stage 03.
+    sampler = RandomSampler(dataset, generator=torch.Generator())
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+class Trainer:
+    def __init__(self, model: nn.Module, train_loader: DataLoader, optimizer: torch.optim.Optimizer,
+                 device: torch.device, seed: int) -> None:
+        self.model = model
+        self.train_loader = train_loader
+        self.optimizer = optimizer
+        self.device = device
+        self.seed = seed
+        self.losses: list[float] = []
+        self.steps = 0
+
+    def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        self.optimizer.step()
+        self.steps += 1
+        return loss.detach()
+
+    def _run_epoch(self, epoch: int) -> float:
+        self.train_loader.sampler.generator.manual_seed(self.seed + epoch)
+        total = torch.zeros((), device=self.device)
+        for x, y in self.train_loader:
+            total += self._run_batch(x.to(self.device), y.to(self.device))
+        return total.item() / len(self.train_loader)  # one .item() per epoch: no GPU sync per step
+
+    def train(self, epochs: int) -> None:
+        for epoch in range(epochs):
+            start = time.perf_counter()
+            self.losses.append(self._run_epoch(epoch))
+            print(f"epoch {epoch + 1}/{epochs} | train loss {self.losses[-1]:.4f} "
+                  f"| {time.perf_counter() - start:.2f}s")
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset: Dataset, device: torch.device) -> tuple[float, float, int]:
+    """Return (sum of losses, number correct, number of samples) over `dataset`."""
+    model.eval()
+    loss_sum, correct = 0.0, 0
+    for x, y in DataLoader(dataset, batch_size=256):
+        logits = model(x.to(device))
+        loss_sum += F.cross_entropy(logits, y.to(device), reduction="sum").item()
+        correct += (logits.argmax(dim=1).cpu() == y).sum().item()
+    model.train()
+    return loss_sum, correct, len(dataset)
+
+
+def write_summary(out: Path, summary: dict, model: nn.Module) -> None:
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    torch.save(model.state_dict(), out / "model.pt")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line naming the flag, exit 2 (no usage dump)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
+    return parse
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = ArgumentParser(prog=f"{STAGE}/train.py", description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=positive(int), default=20)
+    p.add_argument("--batch-size", type=positive(int), default=64, help="samples per step per process")
+    p.add_argument("--lr", type=positive(float), default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--out", type=Path, help="write summary.json and model.pt here")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("argument --device: cuda asked but no GPU is visible; use --device cpu (or auto)")
+    if args.out is not None:
+        try:  # fail now, not after training
+            args.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            p.error(f"argument --out: cannot create {args.out} ({e.strerror}); choose a writable directory")
+    return args
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(choice)
+
+
+def train(device: torch.device, args: argparse.Namespace) -> None:
+    train_set, eval_set, model, optimizer = load_train_objs(args, device)
+    train_loader = prepare_dataloader(train_set, args.batch_size)
+    fallback = " (no GPU visible: using the CPU)" if args.device == "auto" and device.type == "cpu" else ""
+    print(f"[{STAGE}] device {device}{fallback} | batch {args.batch_size} | {len(train_loader)} steps/epoch")
+
+    trainer = Trainer(model, train_loader, optimizer, device, args.seed)
+    start = time.perf_counter()
+    trainer.train(args.epochs)
+    seconds = time.perf_counter() - start
+
+    loss_sum, correct, count = evaluate(model, eval_set, device)
+    print(f"held-out: loss {loss_sum / count:.4f} | accuracy {correct / count:.2%} ({count} samples)")
+    if args.out is not None:
+        summary = {
+            "stage": STAGE, "world_size": 1, "backend": None, "device": device.type,
+            "global_batch": args.batch_size, "batch_size": args.batch_size, "epochs": args.epochs,
+            "lr": args.lr, "seed": args.seed, "steps": trainer.steps, "losses": trainer.losses,
+            "eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_count": count,
+            "replica_max_abs_diff": 0.0, "seconds": seconds,
+            "samples_per_s": trainer.steps * args.batch_size / seconds,
+        }
+        write_summary(args.out, summary, model)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    train(pick_device(args.device), args)
+
+
+if __name__ == "__main__":
+    main()
