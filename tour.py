@@ -1,0 +1,186 @@
+"""The tour: run every stage through its real launcher and show they all reach the same weights.
+
+    python tour.py                 # GPUs if visible (nccl), else the CPU (gloo)
+    python tour.py --epochs 5      # quicker
+
+Each stage trains the same model on the same data in the same order; the distributed ones
+use W processes of batch b, the single-process ones batch W*b. Only the way the work is
+split changes, so the final weights agree with stage 01's to float rounding.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+# Variables a launcher sets for its workers: a value inherited from the caller's shell would leak in.
+LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+              "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+
+
+@dataclass(frozen=True)
+class Step:
+    stage: str
+    launcher: str  # "python" (the script may mp.spawn itself) or "torchrun"
+    args: tuple[str, ...]
+    nproc: int = 1  # processes torchrun starts
+    label: str = ""  # how the table names the launcher
+
+    def command(self, out: Path | None = None, script: Path | None = None) -> list[str]:
+        path = str(script or ROOT / self.stage / "train.py")
+        args = [*self.args, "--out", str(out)] if out is not None else list(self.args)
+        if self.launcher == "python":
+            return [sys.executable, path, *args]
+        # `torchrun` is torch.distributed.run's console script; -m keeps this interpreter.
+        # --standalone binds its rendezvous to port 0: always a free port.
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.nproc}",
+                path, *args]
+
+
+def plan(world: int, batch: int, epochs: int | None = None, device: str = "auto") -> list[Step]:
+    """Every stage that exists, each set up to compute the same thing at global batch world*batch."""
+    common = ("--device", device, *(("--epochs", str(epochs)) if epochs else ()))
+    steps = [
+        Step("01_single_gpu", "python", (*common, "--batch-size", str(world * batch)), label="python"),
+        Step("02_dataparallel", "python", (*common, "--batch-size", str(world * batch)), label="python"),
+        Step("03_ddp_spawn", "python", (*common, "--world-size", str(world), "--batch-size", str(batch)),
+             label="mp.spawn"),
+        Step("04_ddp_torchrun", "torchrun", (*common, "--batch-size", str(batch)), nproc=world, label="torchrun"),
+        Step("04_ddp_torchrun", "python", (*common, "--batch-size", str(world * batch)), label="python (1 process)"),
+    ]
+    return [s for s in steps if (ROOT / s.stage / "train.py").exists()]
+
+
+@dataclass
+class Run:
+    cmd: list[str]
+    returncode: int | None  # None: killed at the time limit
+    stdout: str
+    stderr: str
+    seconds: float
+    out: Path | None
+    survivors: list[int] = field(default_factory=list)  # processes of the job alive after the launcher exited
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.out / "summary.json").read_text())
+
+    @property
+    def model(self) -> dict:
+        import torch
+        return torch.load(self.out / "model.pt", map_location="cpu", weights_only=True)
+
+    def describe(self) -> str:
+        status = "killed at the time limit" if self.returncode is None else f"exit {self.returncode}"
+        return (f"$ {' '.join(self.cmd)}\n{status} after {self.seconds:.1f}s\n"
+                f"--- stdout ---\n{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-4000:]}")
+
+
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group `pgid`."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
+
+
+def run_command(cmd: list[str], out: Path | None = None, env: dict[str, str] | None = None,
+                timeout: float = 180.0, grace: float = 5.0) -> Run:
+    """Run a job in its own process group; kill the whole group at `timeout` or if anything outlives the launcher."""
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        returncode = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        returncode = None
+    # Helpers such as multiprocessing's resource tracker leave on their own just after the
+    # launcher (~20 ms here): give the group a bounded grace period to empty before judging it.
+    deadline = time.monotonic() + grace
+    while (survivors := _group_members(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if survivors:
+        os.killpg(proc.pid, signal.SIGKILL)
+    return Run(cmd, returncode, stdout, stderr, time.monotonic() - start, out, survivors)
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    """Largest |difference| between two state_dicts with the same keys."""
+    if a.keys() != b.keys():
+        raise ValueError(f"different parameters: {sorted(a)} vs {sorted(b)}")
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Run every stage and compare their final weights with stage 01's.")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--epochs", type=int, help="epochs per stage (default: the stages' own)")
+    p.add_argument("--batch-size", type=int, default=32, help="per-process batch b of the distributed stages")
+    p.add_argument("--atol", type=float, default=1e-5, help="largest |Δweight| against stage 01 that counts as equal")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds one stage may take before it is killed")
+    args = p.parse_args(argv)
+    if args.batch_size < 1 or (args.epochs is not None and args.epochs < 1):
+        p.error("--batch-size and --epochs must be positive")
+
+    import torch  # after argument checks: importing torch takes seconds
+    gpus = torch.cuda.device_count() if args.device != "cpu" else 0
+    world = gpus if gpus >= 2 else 2  # one process per GPU, or 2 CPU processes
+    steps = plan(world, args.batch_size, args.epochs, args.device)
+    print(f"tour: {len(steps)} runs, world size {world}, batch {args.batch_size} per process "
+          f"= {world * args.batch_size} global; {'GPUs (nccl)' if gpus else 'CPU (gloo)'}\n", flush=True)
+
+    rows, reference, failed = [], None, False
+    with tempfile.TemporaryDirectory(prefix="ddp-tour-") as tmp:
+        for i, step in enumerate(steps):
+            print(f"[{i + 1}/{len(steps)}] {step.stage} via {step.label} ...", end=" ", flush=True)
+            run = run_command(step.command(out=Path(tmp) / str(i)), Path(tmp) / str(i), timeout=args.timeout)
+            if run.returncode != 0:
+                print(f"FAILED\n{run.describe()}")
+                failed = True
+                continue
+            s, model = run.summary, run.model
+            reference = reference if reference is not None else model
+            diff = max_abs_diff(reference, model)
+            failed |= diff > args.atol
+            print(f"done in {run.seconds:.1f}s", flush=True)
+            rows.append((step.stage, step.label, str(s["world_size"]), f"{s['backend'] or '-'}/{s['device']}",
+                         f"{s['losses'][-1]:.4f}", f"{s['eval_accuracy']:.2%}", f"{diff:.1e}",
+                         f"{s['seconds']:.1f}", f"{run.seconds:.1f}"))
+
+    header = ("stage", "launcher", "world", "backend/device", "train loss", "held-out acc", "max|Δw| vs 01",
+              "train s", "wall s")
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    print()
+    for r in [header, tuple("-" * w for w in widths), *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    verdict = ("FAILED: see above" if failed else
+               f"every stage reached stage 01's weights (max |Δw| ≤ {args.atol:g}): only the split of the work changed")
+    print(f"\n{verdict}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
