@@ -10,9 +10,11 @@ split changes, so the final weights agree with stage 01's to float rounding.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,23 +28,40 @@ LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RAN
               "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 
 
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run")  # `torchrun`, with this interpreter
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @dataclass(frozen=True)
 class Step:
     stage: str
     launcher: str  # "python" (the script may mp.spawn itself) or "torchrun"
     args: tuple[str, ...]
-    nproc: int = 1  # processes torchrun starts
+    nproc: int = 1  # processes torchrun starts on each node
+    nnodes: int = 1  # torchrun "nodes", all on this machine (127.0.0.1)
     label: str = ""  # how the table names the launcher
 
-    def command(self, out: Path | None = None, script: Path | None = None) -> list[str]:
+    def commands(self, out: Path | None = None, script: Path | None = None) -> list[list[str]]:
+        """One command per node."""
         path = str(script or ROOT / self.stage / "train.py")
         args = [*self.args, "--out", str(out)] if out is not None else list(self.args)
         if self.launcher == "python":
-            return [sys.executable, path, *args]
-        # `torchrun` is torch.distributed.run's console script; -m keeps this interpreter.
-        # --standalone binds its rendezvous to port 0: always a free port.
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.nproc}",
-                path, *args]
+            return [[sys.executable, path, *args]]
+        if self.nnodes == 1:  # --standalone binds its rendezvous to port 0: always a free port
+            return [[*TORCHRUN, "--standalone", f"--nproc_per_node={self.nproc}", path, *args]]
+        port = free_port()  # static rendezvous: every node is told where node 0 listens
+        return [[*TORCHRUN, f"--nnodes={self.nnodes}", f"--nproc_per_node={self.nproc}", f"--node_rank={i}",
+                 "--master_addr=127.0.0.1", f"--master_port={port}", path, *args] for i in range(self.nnodes)]
+
+    @property
+    def env(self) -> dict[str, str]:
+        # Several "nodes" share this machine's cores; torchrun sets this only for nproc_per_node > 1.
+        return {"OMP_NUM_THREADS": "1"} if self.nnodes > 1 else {}
 
 
 def plan(world: int, batch: int, epochs: int | None = None, device: str = "auto") -> list[Step]:
@@ -55,8 +74,18 @@ def plan(world: int, batch: int, epochs: int | None = None, device: str = "auto"
              label="mp.spawn"),
         Step("04_ddp_torchrun", "torchrun", (*common, "--batch-size", str(batch)), nproc=world, label="torchrun"),
         Step("04_ddp_torchrun", "python", (*common, "--batch-size", str(world * batch)), label="python (1 process)"),
+        # On the CPU, W torchrun "nodes" of one process each on 127.0.0.1. Nodes sharing one machine's
+        # GPUs would all pick cuda:LOCAL_RANK, so with GPUs it runs as one node.
+        Step("05_multinode", "torchrun", (*common, "--batch-size", str(batch)), nproc=1, nnodes=world,
+             label=f"torchrun, {world} nodes") if device == "cpu" or not _gpus(device) else
+        Step("05_multinode", "torchrun", (*common, "--batch-size", str(batch)), nproc=world, label="torchrun, 1 node"),
     ]
     return [s for s in steps if (ROOT / s.stage / "train.py").exists()]
+
+
+def _gpus(device: str) -> int:
+    import torch  # here, not at the top: importing torch takes seconds
+    return torch.cuda.device_count() if device != "cpu" else 0
 
 
 @dataclass
@@ -104,27 +133,46 @@ def _group_members(pgid: int) -> list[int]:
     return alive
 
 
+def run_job(cmds: list[list[str]], out: Path | None = None, env: dict[str, str] | None = None,
+            timeout: float = 180.0, grace: float = 5.0) -> Run:
+    """Run one command per node, each in its own process group, under one deadline.
+
+    At the deadline every group is killed (returncode None). Whatever outlives its launcher is
+    reported in `survivors` and killed. stdout/stderr are node 0's, then the others'.
+    """
+    start = time.monotonic()
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=clean_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True) for cmd in cmds]
+    outputs, timed_out = [], False
+    for proc in procs:
+        try:
+            left = None if timed_out else max(0.0, start + timeout - time.monotonic())
+            outputs.append(proc.communicate(timeout=left))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+            outputs.append(proc.communicate())
+    codes = [p.returncode for p in procs]
+    returncode = None if timed_out else next((c for c in codes if c != 0), 0)
+    # Helpers such as multiprocessing's resource tracker leave on their own just after the
+    # launcher (~20 ms here): give each group a bounded grace period to empty before judging it.
+    deadline = time.monotonic() + grace
+    while (survivors := [q for p in procs for q in _group_members(p.pid)]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for p in procs:
+        if _group_members(p.pid):
+            os.killpg(p.pid, signal.SIGKILL)
+    stdout, stderr = ("".join(o[i] for o in outputs) for i in (0, 1))
+    return Run([" ".join(c) for c in cmds] if len(cmds) > 1 else cmds[0], returncode, stdout, stderr,
+               time.monotonic() - start, out, survivors)
+
+
 def run_command(cmd: list[str], out: Path | None = None, env: dict[str, str] | None = None,
                 timeout: float = 180.0, grace: float = 5.0) -> Run:
-    """Run a job in its own process group; kill the whole group at `timeout` or if anything outlives the launcher."""
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-        returncode = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        returncode = None
-    # Helpers such as multiprocessing's resource tracker leave on their own just after the
-    # launcher (~20 ms here): give the group a bounded grace period to empty before judging it.
-    deadline = time.monotonic() + grace
-    while (survivors := _group_members(proc.pid)) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    if survivors:
-        os.killpg(proc.pid, signal.SIGKILL)
-    return Run(cmd, returncode, stdout, stderr, time.monotonic() - start, out, survivors)
+    """Run one command in its own process group (see run_job)."""
+    return run_job([cmd], out, env, timeout, grace)
 
 
 def max_abs_diff(a: dict, b: dict) -> float:
@@ -156,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ddp-tour-") as tmp:
         for i, step in enumerate(steps):
             print(f"[{i + 1}/{len(steps)}] {step.stage} via {step.label} ...", end=" ", flush=True)
-            run = run_command(step.command(out=Path(tmp) / str(i)), Path(tmp) / str(i), timeout=args.timeout)
+            out = Path(tmp) / str(i)
+            run = run_job(step.commands(out=out), out, step.env, timeout=args.timeout)
             if run.returncode != 0:
                 print(f"FAILED\n{run.describe()}")
                 failed = True

@@ -15,17 +15,17 @@ from types import ModuleType
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tour import ROOT, Run, Step, max_abs_diff, plan, run_command  # noqa: E402
+from tour import ROOT, Run, Step, free_port, max_abs_diff, plan, run_command, run_job  # noqa: E402
 
 STAGES = sorted(p.parent.name for p in ROOT.glob("[0-9][0-9]_*/train.py"))
-__all__ = ["ROOT", "STAGES", "Run", "Step", "check", "launch", "load_stage", "max_abs_diff", "mutate", "plan",
-           "run_command"]
+__all__ = ["ROOT", "STAGES", "Run", "Step", "check", "free_port", "launch", "load_stage", "max_abs_diff", "mutate",
+           "plan", "run_command", "run_job"]
 
 
 def launch(step: Step, out: Path | None = None, script: Path | None = None, timeout: float = 120.0,
            env: dict[str, str] | None = None) -> Run:
     """Run `step` (or a modified copy of its script); fail the test if it outlives `timeout`."""
-    run = run_command(step.command(out, script), out, env, timeout)
+    run = run_job(step.commands(out, script), out, {**step.env, **(env or {})}, timeout)
     if run.returncode is None:
         pytest.fail(f"timed out after {timeout:.0f}s (job killed)\n{run.describe()}")
     return run

@@ -5,10 +5,15 @@ import pytest
 import torch
 
 from conftest import CONFIGS, B, W
-from harness import load_stage
+from harness import Step, load_stage
 
-# name: (world size, backend)
-EXPECTED = {"01": (1, None), "02": (1, None), "03": (W, "gloo"), "04": (W, "gloo"), "04_python": (1, "gloo")}
+
+def expected_world_and_backend(step: Step) -> tuple[int, str | None]:
+    if step.launcher == "torchrun":
+        world = step.nproc * step.nnodes
+    else:
+        world = int(step.args[step.args.index("--world-size") + 1]) if "--world-size" in step.args else 1
+    return world, (None if step.stage < "03" else "gloo")  # 01 and 02 have no process group
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -16,7 +21,7 @@ def test_stage_learns_and_reports(runs, name):
     run = runs[name]
     s = run.summary
     assert s["stage"] == CONFIGS[name].stage
-    assert (s["world_size"], s["backend"]) == EXPECTED[name]
+    assert (s["world_size"], s["backend"]) == expected_world_and_backend(CONFIGS[name])
     assert s["device"] == "cpu"
     assert s["global_batch"] == W * B
     assert s["steps"] == s["epochs"] * 4096 // (W * B)
@@ -47,3 +52,14 @@ def test_saved_model_is_unwrapped_and_loads_into_stage_01(runs, name):
 def test_cpu_fallback_is_announced(runs):
     assert "no GPU visible" not in runs["01"].stdout  # --device cpu was asked: nothing to announce
     assert "DataParallel has no devices to split over" in runs["02"].stdout
+
+
+def test_multinode_layout_is_node_major(runs):
+    """global rank = node * nproc_per_node + local rank; one rank 0 in the whole job."""
+    step, s = CONFIGS["05"], runs["05"].summary
+    assert s["nodes"] == step.nnodes == len({p["node"] for p in s["layout"]})
+    for p in s["layout"]:
+        assert p["rank"] == p["node"] * step.nproc + p["local_rank"]
+    assert sorted(p["rank"] for p in s["layout"]) == list(range(s["world_size"]))
+    out = runs["05"].stdout
+    assert out.count("held-out:") == 1 and out.count("| global rank ") == s["world_size"], out
