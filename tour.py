@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -45,18 +46,21 @@ class Step:
     nproc: int = 1  # processes torchrun starts on each node
     nnodes: int = 1  # torchrun "nodes", all on this machine (127.0.0.1)
     label: str = ""  # how the table names the launcher
+    torchrun_args: tuple[str, ...] = ()  # e.g. --max-restarts=3
 
     def commands(self, out: Path | None = None, script: Path | None = None) -> list[list[str]]:
         """One command per node."""
         path = str(script or ROOT / self.stage / "train.py")
-        args = [*self.args, "--out", str(out)] if out is not None else list(self.args)
+        args = [a.replace("{out}", str(out)) for a in self.args]  # e.g. a snapshot file inside the run's dir
+        args = [*args, "--out", str(out)] if out is not None else args
         if self.launcher == "python":
             return [[sys.executable, path, *args]]
         if self.nnodes == 1:  # --standalone binds its rendezvous to port 0: always a free port
-            return [[*TORCHRUN, "--standalone", f"--nproc_per_node={self.nproc}", path, *args]]
+            return [[*TORCHRUN, "--standalone", f"--nproc_per_node={self.nproc}", *self.torchrun_args, path, *args]]
         port = free_port()  # static rendezvous: every node is told where node 0 listens
         return [[*TORCHRUN, f"--nnodes={self.nnodes}", f"--nproc_per_node={self.nproc}", f"--node_rank={i}",
-                 "--master_addr=127.0.0.1", f"--master_port={port}", path, *args] for i in range(self.nnodes)]
+                 "--master_addr=127.0.0.1", f"--master_port={port}", *self.torchrun_args, path, *args]
+                for i in range(self.nnodes)]
 
     @property
     def env(self) -> dict[str, str]:
@@ -79,6 +83,13 @@ def plan(world: int, batch: int, epochs: int | None = None, device: str = "auto"
         Step("05_multinode", "torchrun", (*common, "--batch-size", str(batch)), nproc=1, nnodes=world,
              label=f"torchrun, {world} nodes") if device == "cpu" or not _gpus(device) else
         Step("05_multinode", "torchrun", (*common, "--batch-size", str(batch)), nproc=world, label="torchrun, 1 node"),
+        Step("06_checkpoint", "torchrun", (*common, "--batch-size", str(batch), "--snapshot", "{out}/snapshot.pt"),
+             nproc=world, label="torchrun + snapshots"),
+        # Two GPUs per process: half as many processes, each with twice the batch (same global batch).
+        Step("07_model_parallel", "torchrun", (*common, "--batch-size", str(world * batch // (world // 2 or 1))),
+             nproc=world // 2 or 1, label="torchrun, model on 2 GPUs") if _gpus(device) >= 2 else
+        Step("07_model_parallel", "torchrun", (*common, "--batch-size", str(batch)), nproc=world,
+             label="torchrun, model split"),
     ]
     return [s for s in steps if (ROOT / s.stage / "train.py").exists()]
 
@@ -175,6 +186,46 @@ def run_command(cmd: list[str], out: Path | None = None, env: dict[str, str] | N
     return run_job([cmd], out, env, timeout, grace)
 
 
+def slurm_missing() -> str | None:
+    """Why the local Slurm cluster cannot run here, or None if it can."""
+    missing = [p for p in ("slurmctld", "slurmd", "sbatch", "squeue", "munged") if shutil.which(p) is None]
+    if missing:
+        return f"Slurm is not installed (no {', '.join(missing)})"
+    return "the local Slurm cluster needs root" if os.geteuid() != 0 else None
+
+
+def run_slurm_job(nodes: int, train_args: list[str], out: Path, timeout: float) -> Run:
+    """Start slurm/local_cluster.sh, submit slurm/train.sbatch as a reader would, wait, stop the cluster."""
+    start_time = time.monotonic()
+    state = Path(tempfile.mkdtemp(prefix="ddp-tour-slurm-"))  # directly in /tmp: munged checks its parents
+    cluster = ["bash", str(ROOT / "slurm" / "local_cluster.sh")]
+    env = {"SLURM_CONF": str(state / "slurm.conf")}
+    try:
+        started = run_command([*cluster, "start", str(state)], env=env, timeout=60)
+        if started.returncode != 0:
+            return started
+        job_env = {**env, "REPO": str(ROOT), "TORCHRUN": " ".join(TORCHRUN), "NPROC_PER_NODE": "1",
+                   "TRAIN_ARGS": " ".join([*train_args, "--out", str(out)]), "MASTER_PORT": str(free_port()),
+                   "OMP_NUM_THREADS": "1"}  # the two "nodes" share this machine's cores
+        cmd = ["sbatch", "--parsable", f"--nodes={nodes}", f"--output={state}/job.out", "slurm/train.sbatch"]
+        submitted = run_command(cmd, env=job_env, timeout=30)
+        if submitted.returncode != 0:
+            return submitted
+        job = submitted.stdout.strip().split(";")[0]
+        while run_command(["squeue", "-h", "-j", job], env=env, timeout=30).stdout.strip():  # listed until it ends
+            if time.monotonic() - start_time > timeout:
+                run_command(["scancel", job], env=env, timeout=30)
+                return Run(cmd, None, "", f"job {job} did not finish in {timeout:.0f}s", timeout, out)
+            time.sleep(0.5)
+        log = (state / "job.out").read_text() if (state / "job.out").exists() else "(no job log)"
+        done = (out / "summary.json").exists()
+        return Run(cmd, 0 if done else 1, log, "" if done else "the job wrote no summary",
+                   time.monotonic() - start_time, out)
+    finally:
+        run_command([*cluster, "stop", str(state)], env=env, timeout=60)
+        shutil.rmtree(state, ignore_errors=True)
+
+
 def max_abs_diff(a: dict, b: dict) -> float:
     """Largest |difference| between two state_dicts with the same keys."""
     if a.keys() != b.keys():
@@ -197,15 +248,26 @@ def main(argv: list[str] | None = None) -> int:
     gpus = torch.cuda.device_count() if args.device != "cpu" else 0
     world = gpus if gpus >= 2 else 2  # one process per GPU, or 2 CPU processes
     steps = plan(world, args.batch_size, args.epochs, args.device)
-    print(f"tour: {len(steps)} runs, world size {world}, batch {args.batch_size} per process "
+    print(f"tour: stages 01-{steps[-1].stage[:2]}, world size {world}, batch {args.batch_size} per process "
           f"= {world * args.batch_size} global; {'GPUs (nccl)' if gpus else 'CPU (gloo)'}\n", flush=True)
+
+    # Stage 05 once more, as a Slurm job on a local two-node cluster, where Slurm is installed.
+    slurm_skip = slurm_missing() or ("the local Slurm cluster runs on the CPU only" if gpus else None)
+    epochs = ("--epochs", str(args.epochs)) if args.epochs else ()
+    slurm_args = ("--device", args.device, *epochs, "--batch-size", str(args.batch_size))
+    slurm_step = Step("05_multinode", "sbatch", slurm_args, label=f"sbatch, {world} Slurm nodes")
+    runs = [*steps, slurm_step] if slurm_skip is None else steps
 
     rows, reference, failed = [], None, False
     with tempfile.TemporaryDirectory(prefix="ddp-tour-") as tmp:
-        for i, step in enumerate(steps):
-            print(f"[{i + 1}/{len(steps)}] {step.stage} via {step.label} ...", end=" ", flush=True)
+        for i, step in enumerate(runs):
+            print(f"[{i + 1}/{len(runs)}] {step.stage} via {step.label} ...", end=" ", flush=True)
             out = Path(tmp) / str(i)
-            run = run_job(step.commands(out=out), out, step.env, timeout=args.timeout)
+            if step.launcher == "sbatch":
+                out.mkdir()
+                run = run_slurm_job(world, list(step.args), out, timeout=args.timeout)
+            else:
+                run = run_job(step.commands(out=out), out, step.env, timeout=args.timeout)
             if run.returncode != 0:
                 print(f"FAILED\n{run.describe()}")
                 failed = True
@@ -225,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for r in [header, tuple("-" * w for w in widths), *rows]:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    if slurm_skip:
+        print(f"\n(no Slurm run: {slurm_skip}; see slurm/README.md)")
     verdict = ("FAILED: see above" if failed else
                f"every stage reached stage 01's weights (max |Δw| ≤ {args.atol:g}): only the split of the work changed")
     print(f"\n{verdict}")

@@ -15,11 +15,11 @@ from types import ModuleType
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tour import ROOT, Run, Step, free_port, max_abs_diff, plan, run_command, run_job  # noqa: E402
+from tour import ROOT, Run, Step, free_port, max_abs_diff, plan, run_command, run_job, slurm_missing  # noqa: E402
 
 STAGES = sorted(p.parent.name for p in ROOT.glob("[0-9][0-9]_*/train.py"))
 __all__ = ["ROOT", "STAGES", "Run", "Step", "check", "free_port", "launch", "load_stage", "max_abs_diff", "mutate",
-           "plan", "run_command", "run_job"]
+           "plan", "run_command", "run_job", "slurm_missing"]
 
 
 def launch(step: Step, out: Path | None = None, script: Path | None = None, timeout: float = 120.0,

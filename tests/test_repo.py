@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from harness import ROOT, STAGES, load_stage, run_command
+from harness import ROOT, STAGES, load_stage, plan, run_command, slurm_missing
 
 # Pieces every stage must carry word for word: the contract (data, model, flags, evaluation).
 SHARED = ["make_data", "Net", "load_train_objs", "evaluate", "write_summary", "ArgumentParser", "positive",
@@ -31,16 +31,21 @@ def test_ci_runs_the_readme_test_command():
     assert readme.index(block.group(1)) < 1500, "the test command must stand at the top of README.md"
 
 
+# Where a stage must differ, and why.
+EXPECTED_DIFFERENCES = {("07_model_parallel", "load_train_objs"): "builds the model split over two devices"}
+
+
 @pytest.mark.parametrize("name", SHARED)
 def test_stages_share_the_contract_word_for_word(name):
-    sources = {stage: inspect.getsource(getattr(load_stage(stage), name)) for stage in STAGES}
+    sources = {stage: inspect.getsource(getattr(load_stage(stage), name)) for stage in STAGES
+               if (stage, name) not in EXPECTED_DIFFERENCES}
     reference = sources[STAGES[0]]
     drifted = [stage for stage, src in sources.items() if src != reference]
     assert not drifted, f"{name} differs from {STAGES[0]} in {drifted}"
 
 
 def test_docs_have_no_unfilled_placeholders():
-    for doc in [ROOT / "README.md", *ROOT.glob("[0-9][0-9]_*/README.md")]:
+    for doc in [ROOT / "README.md", *ROOT.glob("*/README.md")]:
         assert not re.search(r"\b(TOUR_OUTPUT|OUTPUT_\d\d|TODO|FIXME)\b", doc.read_text()), doc
 
 
@@ -57,7 +62,9 @@ def test_tour_runs_every_stage_and_finds_the_same_weights():
     for stage in STAGES:
         assert stage in table
     rows = [line for line in table.splitlines() if re.match(r"\d\d_", line)]
-    assert len(rows) == len(STAGES) + 1  # stage 04 runs twice: under torchrun and as plain python
+    slurm = slurm_missing() is None  # then stage 05 runs once more, as a Slurm job
+    assert len(rows) == len(plan(2, 32, device="cpu")) + slurm
+    assert ("sbatch, 2 Slurm nodes" in table) == slurm
     diffs = [float(line.split()[-3]) for line in rows]
     assert max(diffs) <= 1e-5 and diffs[0] == 0.0
     assert "every stage reached stage 01's weights" in run.stdout
