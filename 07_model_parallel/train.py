@@ -103,7 +103,9 @@ def load_snapshot(path: Path, device: torch.device, seed: int, global_batch: int
     if not isinstance(snapshot, dict) or not SNAPSHOT_KEYS <= snapshot.keys():
         raise SnapshotError(f"{path} is not a snapshot of this stage (expected the keys {sorted(SNAPSHOT_KEYS)})")
     expected = {k: v.shape for k, v in Net().state_dict().items()}  # the split model has the same keys
-    if not isinstance(snapshot["model"], dict) or {k: v.shape for k, v in snapshot["model"].items()} != expected:
+    found = {k: getattr(v, "shape", None) for k, v in snapshot["model"].items()} \
+        if isinstance(snapshot["model"], dict) else None
+    if found != expected:
         raise SnapshotError(f"{path} holds another model's weights (keys or shapes differ from this Net)")
     if (snapshot["seed"], snapshot["global_batch"]) != (seed, global_batch):
         raise SnapshotError(f"{path} was made with --seed {snapshot['seed']} and global batch "

@@ -113,6 +113,7 @@ def bad_snapshots(tmp_path_factory):
         "not_torch": b"this is not a snapshot\n",
         "foreign": None,  # a plain state_dict (stage 01's model.pt shape): a torch file, not a snapshot
         "payload": None,  # a pickle whose loading would run code
+        "other_model": None,  # shaped like a snapshot, but of another network
     }
     paths = {}
     for kind, data in files.items():
@@ -121,6 +122,9 @@ def bad_snapshots(tmp_path_factory):
             paths[kind].write_bytes(data)
     torch.save(load_stage("01_single_gpu").Net().state_dict(), paths["foreign"])
     torch.save({"model": Payload(str(marker))}, paths["payload"])
+    other = torch.load(good, weights_only=True)
+    other["model"] = {"layer.weight": torch.zeros(3, 3), "layer.bias": "not a tensor"}
+    torch.save(other, paths["other_model"])
     before = {kind: p.read_bytes() for kind, p in paths.items()}
 
     def start(kind: str):
@@ -142,7 +146,7 @@ class Payload:
         return (Path.touch, (Path(self.path),))
 
 
-@pytest.mark.parametrize("kind", ["truncated", "not_torch", "foreign", "payload"])
+@pytest.mark.parametrize("kind", ["truncated", "not_torch", "foreign", "payload", "other_model"])
 def test_bad_snapshot_is_refused_in_one_line_and_left_alone(bad_snapshots, kind):
     results, paths, before, marker = bad_snapshots
     run = results[kind]
