@@ -131,29 +131,44 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes in process group `pgid`."""
-    alive = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+JOB_TAG = "DDP_TUTORIAL_JOB"  # set in every launched job's environment; every descendant inherits it
+
+
+def _job_members(tag: str) -> list[int]:
+    """Live (non-zombie) processes of the job tagged `tag`.
+
+    Found by their environment, not their process group: torchrun starts each worker in a
+    session of its own (torch.distributed.elastic's subprocess handler), out of the launcher's group.
+    """
+    needle = f"{JOB_TAG}={tag}".encode()
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            if needle in (proc / "environ").read_bytes().split(b"\0") and \
+                    (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            alive.append(int(stat.parent.name))
-    return alive
+    return found
+
+
+def _kill_job(tag: str) -> None:
+    for pid in _job_members(tag):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def run_job(cmds: list[list[str]], out: Path | None = None, env: dict[str, str] | None = None,
             timeout: float = 180.0, grace: float = 5.0) -> Run:
-    """Run one command per node, each in its own process group, under one deadline.
+    """Run one command per node under one deadline.
 
-    At the deadline every group is killed (returncode None). Whatever outlives its launcher is
-    reported in `survivors` and killed. stdout/stderr are node 0's, then the others'.
+    At the deadline every process of the job is killed (returncode None). Whatever outlives the
+    launchers is reported in `survivors` and killed. stdout/stderr are node 0's, then the others'.
     """
     start = time.monotonic()
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=clean_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, start_new_session=True) for cmd in cmds]
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=clean_env({**(env or {}), JOB_TAG: tag}), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) for cmd in cmds]
     outputs, timed_out = [], False
     for proc in procs:
         try:
@@ -161,20 +176,16 @@ def run_job(cmds: list[list[str]], out: Path | None = None, env: dict[str, str] 
             outputs.append(proc.communicate(timeout=left))
         except subprocess.TimeoutExpired:
             timed_out = True
-            for p in procs:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
+            _kill_job(tag)  # launchers and workers: the workers hold the output pipes open too
             outputs.append(proc.communicate())
     codes = [p.returncode for p in procs]
     returncode = None if timed_out else next((c for c in codes if c != 0), 0)
     # Helpers such as multiprocessing's resource tracker leave on their own just after the
-    # launcher (~20 ms here): give each group a bounded grace period to empty before judging it.
+    # launcher (~20 ms here): give the job a bounded grace period to end before judging it.
     deadline = time.monotonic() + grace
-    while (survivors := [q for p in procs for q in _group_members(p.pid)]) and time.monotonic() < deadline:
+    while (survivors := _job_members(tag)) and time.monotonic() < deadline:
         time.sleep(0.02)
-    for p in procs:
-        if _group_members(p.pid):
-            os.killpg(p.pid, signal.SIGKILL)
+    _kill_job(tag)
     stdout, stderr = ("".join(o[i] for o in outputs) for i in (0, 1))
     return Run([" ".join(c) for c in cmds] if len(cmds) > 1 else cmds[0], returncode, stdout, stderr,
                time.monotonic() - start, out, survivors)

@@ -15,17 +15,34 @@ from types import ModuleType
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tour import ROOT, Run, Step, free_port, max_abs_diff, plan, run_command, run_job, slurm_missing  # noqa: E402
+from tour import (  # noqa: E402
+    ROOT,
+    TORCHRUN,
+    Run,
+    Step,
+    free_port,
+    max_abs_diff,
+    plan,
+    run_command,
+    run_job,
+    slurm_missing,
+)
 
 STAGES = sorted(p.parent.name for p in ROOT.glob("[0-9][0-9]_*/train.py"))
-__all__ = ["ROOT", "STAGES", "Run", "Step", "check", "free_port", "launch", "load_stage", "max_abs_diff", "mutate",
-           "plan", "run_command", "run_job", "slurm_missing"]
+__all__ = ["ROOT", "STAGES", "TORCHRUN", "Run", "Step", "check", "free_port", "launch", "launch_commands",
+           "load_stage", "max_abs_diff", "mutate", "plan", "run_command", "run_job", "slurm_missing"]
 
 
 def launch(step: Step, out: Path | None = None, script: Path | None = None, timeout: float = 120.0,
            env: dict[str, str] | None = None) -> Run:
     """Run `step` (or a modified copy of its script); fail the test if it outlives `timeout`."""
-    run = run_job(step.commands(out, script), out, {**step.env, **(env or {})}, timeout)
+    return launch_commands(step.commands(out, script), out, {**step.env, **(env or {})}, timeout)
+
+
+def launch_commands(cmds: list[list[str]], out: Path | None = None, env: dict[str, str] | None = None,
+                    timeout: float = 120.0) -> Run:
+    """Run one command per node; fail the test if the job outlives `timeout` (it is killed, workers too)."""
+    run = run_job(cmds, out, env, timeout)
     if run.returncode is None:
         pytest.fail(f"timed out after {timeout:.0f}s (job killed)\n{run.describe()}")
     return run
