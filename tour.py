@@ -205,6 +205,17 @@ def slurm_missing() -> str | None:
     return "the local Slurm cluster needs root" if os.geteuid() != 0 else None
 
 
+def _slurm_command(cmd: list[str], env: dict[str, str], timeout: float) -> Run:
+    """A Slurm client or local_cluster.sh call. Not run_command: the daemons that `start` leaves
+    running would count as survivors and be killed, and the job's processes belong to slurmd."""
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(env), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return Run(cmd, None, str(e.stdout or ""), str(e.stderr or ""), time.monotonic() - start, None)
+    return Run(cmd, proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start, None)
+
+
 def run_slurm_job(nodes: int, train_args: list[str], out: Path, timeout: float) -> Run:
     """Start slurm/local_cluster.sh, submit slurm/train.sbatch as a reader would, wait, stop the cluster."""
     start_time = time.monotonic()
@@ -212,20 +223,20 @@ def run_slurm_job(nodes: int, train_args: list[str], out: Path, timeout: float) 
     cluster = ["bash", str(ROOT / "slurm" / "local_cluster.sh")]
     env = {"SLURM_CONF": str(state / "slurm.conf")}
     try:
-        started = run_command([*cluster, "start", str(state)], env=env, timeout=60)
+        started = _slurm_command([*cluster, "start", str(state)], env, timeout=60)
         if started.returncode != 0:
             return started
         job_env = {**env, "REPO": str(ROOT), "TORCHRUN": " ".join(TORCHRUN), "NPROC_PER_NODE": "1",
                    "TRAIN_ARGS": " ".join([*train_args, "--out", str(out)]), "MASTER_PORT": str(free_port()),
                    "OMP_NUM_THREADS": "1"}  # the two "nodes" share this machine's cores
         cmd = ["sbatch", "--parsable", f"--nodes={nodes}", f"--output={state}/job.out", "slurm/train.sbatch"]
-        submitted = run_command(cmd, env=job_env, timeout=30)
+        submitted = _slurm_command(cmd, job_env, timeout=30)
         if submitted.returncode != 0:
             return submitted
         job = submitted.stdout.strip().split(";")[0]
-        while run_command(["squeue", "-h", "-j", job], env=env, timeout=30).stdout.strip():  # listed until it ends
+        while _slurm_command(["squeue", "-h", "-j", job], env, timeout=30).stdout.strip():  # listed until it ends
             if time.monotonic() - start_time > timeout:
-                run_command(["scancel", job], env=env, timeout=30)
+                _slurm_command(["scancel", job], env, timeout=30)
                 return Run(cmd, None, "", f"job {job} did not finish in {timeout:.0f}s", timeout, out)
             time.sleep(0.5)
         log = (state / "job.out").read_text() if (state / "job.out").exists() else "(no job log)"
@@ -233,7 +244,7 @@ def run_slurm_job(nodes: int, train_args: list[str], out: Path, timeout: float) 
         return Run(cmd, 0 if done else 1, log, "" if done else "the job wrote no summary",
                    time.monotonic() - start_time, out)
     finally:
-        run_command([*cluster, "stop", str(state)], env=env, timeout=60)
+        _slurm_command([*cluster, "stop", str(state)], env, timeout=60)
         shutil.rmtree(state, ignore_errors=True)
 
 
