@@ -26,9 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 # Variables a launcher sets for its workers: a value inherited from the caller's shell would leak in.
 LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-              "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
-
-
+              "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE")
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")  # `torchrun`, with this interpreter
 
 
@@ -41,7 +39,7 @@ def free_port() -> int:
 @dataclass(frozen=True)
 class Step:
     stage: str
-    launcher: str  # "python" (the script may mp.spawn itself) or "torchrun"
+    launcher: str  # "python" (the script may mp.spawn itself), "torchrun", or "sbatch" (the tour's Slurm run)
     args: tuple[str, ...]
     nproc: int = 1  # processes torchrun starts on each node
     nnodes: int = 1  # torchrun "nodes", all on this machine (127.0.0.1)

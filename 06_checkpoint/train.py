@@ -319,8 +319,9 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
                       snapshot, args.seed)
     resumed_from = trainer.epochs_run
     if master_process and resumed_from:
-        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        print(f"resumed from {args.snapshot} after epoch {resumed_from} (torchrun restart {restarts})")
+        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT")  # set by torchrun only
+        print(f"resumed from {args.snapshot} after epoch {resumed_from}"
+              + (f" (torchrun restart {restarts})" if restarts else ""))
     start = time.perf_counter()
     trainer.train(args.epochs)
     seconds = time.perf_counter() - start
