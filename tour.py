@@ -69,6 +69,7 @@ class Step:
 def plan(world: int, batch: int, epochs: int | None = None, device: str = "auto") -> list[Step]:
     """Every stage that exists, each set up to compute the same thing at global batch world*batch."""
     common = ("--device", device, *(("--epochs", str(epochs)) if epochs else ()))
+    gpus = _gpus(device)
     steps = [
         Step("01_single_gpu", "python", (*common, "--batch-size", str(world * batch)), label="python"),
         Step("02_dataparallel", "python", (*common, "--batch-size", str(world * batch)), label="python"),
@@ -79,13 +80,13 @@ def plan(world: int, batch: int, epochs: int | None = None, device: str = "auto"
         # On the CPU, W torchrun "nodes" of one process each on 127.0.0.1. Nodes sharing one machine's
         # GPUs would all pick cuda:LOCAL_RANK, so with GPUs it runs as one node.
         Step("05_multinode", "torchrun", (*common, "--batch-size", str(batch)), nproc=1, nnodes=world,
-             label=f"torchrun, {world} nodes") if device == "cpu" or not _gpus(device) else
+             label=f"torchrun, {world} nodes") if not gpus else
         Step("05_multinode", "torchrun", (*common, "--batch-size", str(batch)), nproc=world, label="torchrun, 1 node"),
         Step("06_checkpoint", "torchrun", (*common, "--batch-size", str(batch), "--snapshot", "{out}/snapshot.pt"),
              nproc=world, label="torchrun + snapshots"),
         # Two GPUs per process: half as many processes, each with twice the batch (same global batch).
         Step("07_model_parallel", "torchrun", (*common, "--batch-size", str(world * batch // (world // 2 or 1))),
-             nproc=world // 2 or 1, label="torchrun, model on 2 GPUs") if _gpus(device) >= 2 else
+             nproc=world // 2 or 1, label="torchrun, model on 2 GPUs") if gpus >= 2 else
         Step("07_model_parallel", "torchrun", (*common, "--batch-size", str(batch)), nproc=world,
              label="torchrun, model split"),
     ]
@@ -203,15 +204,29 @@ def slurm_missing() -> str | None:
     return "the local Slurm cluster needs root" if os.geteuid() != 0 else None
 
 
-def _slurm_command(cmd: list[str], env: dict[str, str], timeout: float) -> Run:
-    """A Slurm client or local_cluster.sh call. Not run_command: the daemons that `start` leaves
-    running would count as survivors and be killed, and the job's processes belong to slurmd."""
+# The caller's own Slurm variables (tests run inside an allocation, say) must not reach the local cluster.
+SLURM_CALLER_ENV = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "SQUEUE_", "SINFO_", "TORCHELASTIC_")
+
+
+def run_slurm_command(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 30.0) -> Run:
+    """A Slurm client or slurm/local_cluster.sh call (returncode None: killed at `timeout`).
+
+    Not run_command: the daemons that `start` leaves running would count as survivors and be
+    killed, and a job's processes belong to slurmd, not to this call.
+    """
     start = time.monotonic()
+    full_env = {k: v for k, v in clean_env().items() if not k.startswith(SLURM_CALLER_ENV)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**full_env, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(env), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        return Run(cmd, None, str(e.stdout or ""), str(e.stderr or ""), time.monotonic() - start, None)
-    return Run(cmd, proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start, None)
+        stdout, stderr = proc.communicate(timeout=timeout)
+        returncode = proc.returncode
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        returncode = None
+    return Run(cmd, returncode, stdout, stderr, time.monotonic() - start, None)
 
 
 def run_slurm_job(nodes: int, train_args: list[str], out: Path, timeout: float) -> Run:
@@ -221,20 +236,20 @@ def run_slurm_job(nodes: int, train_args: list[str], out: Path, timeout: float) 
     cluster = ["bash", str(ROOT / "slurm" / "local_cluster.sh")]
     env = {"SLURM_CONF": str(state / "slurm.conf")}
     try:
-        started = _slurm_command([*cluster, "start", str(state)], env, timeout=60)
+        started = run_slurm_command([*cluster, "start", str(state)], env, timeout=60)
         if started.returncode != 0:
             return started
         job_env = {**env, "REPO": str(ROOT), "TORCHRUN": " ".join(TORCHRUN), "NPROC_PER_NODE": "1",
                    "TRAIN_ARGS": " ".join([*train_args, "--out", str(out)]), "MASTER_PORT": str(free_port()),
                    "OMP_NUM_THREADS": "1"}  # the two "nodes" share this machine's cores
         cmd = ["sbatch", "--parsable", f"--nodes={nodes}", f"--output={state}/job.out", "slurm/train.sbatch"]
-        submitted = _slurm_command(cmd, job_env, timeout=30)
+        submitted = run_slurm_command(cmd, job_env, timeout=30)
         if submitted.returncode != 0:
             return submitted
         job = submitted.stdout.strip().split(";")[0]
-        while _slurm_command(["squeue", "-h", "-j", job], env, timeout=30).stdout.strip():  # listed until it ends
+        while run_slurm_command(["squeue", "-h", "-j", job], env, timeout=30).stdout.strip():  # listed until it ends
             if time.monotonic() - start_time > timeout:
-                _slurm_command(["scancel", job], env, timeout=30)
+                run_slurm_command(["scancel", job], env, timeout=30)
                 return Run(cmd, None, "", f"job {job} did not finish in {timeout:.0f}s", timeout, out)
             time.sleep(0.5)
         log = (state / "job.out").read_text() if (state / "job.out").exists() else "(no job log)"
@@ -242,7 +257,7 @@ def run_slurm_job(nodes: int, train_args: list[str], out: Path, timeout: float) 
         return Run(cmd, 0 if done else 1, log, "" if done else "the job wrote no summary",
                    time.monotonic() - start_time, out)
     finally:
-        _slurm_command([*cluster, "stop", str(state)], env, timeout=60)
+        run_slurm_command([*cluster, "stop", str(state)], env, timeout=60)
         shutil.rmtree(state, ignore_errors=True)
 
 

@@ -25,12 +25,14 @@ from tour import (  # noqa: E402
     plan,
     run_command,
     run_job,
+    run_slurm_command,
     slurm_missing,
 )
 
 STAGES = sorted(p.parent.name for p in ROOT.glob("[0-9][0-9]_*/train.py"))
 __all__ = ["ROOT", "STAGES", "TORCHRUN", "Run", "Step", "check", "free_port", "launch", "launch_commands",
-           "load_stage", "max_abs_diff", "mutate", "plan", "run_command", "run_job", "slurm_missing"]
+           "load_stage", "max_abs_diff", "mutate", "plan", "run_command", "run_job", "run_slurm_command",
+           "slurm_missing"]
 
 
 def launch(step: Step, out: Path | None = None, script: Path | None = None, timeout: float = 120.0,

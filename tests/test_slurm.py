@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,7 +23,7 @@ import pytest
 import torch
 
 from conftest import B, W
-from harness import ROOT, free_port, max_abs_diff
+from harness import ROOT, Run, free_port, max_abs_diff, run_slurm_command
 
 CLUSTER_SH = ROOT / "slurm" / "local_cluster.sh"
 SBATCH = ROOT / "slurm" / "train.sbatch"
@@ -40,30 +39,16 @@ pytestmark = [
 
 
 def slurm_env(conf: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment without Slurm's or torchrun's variables, talking to the cluster `conf`.
-
-    An SBATCH_PARTITION or SLURM_JOB_ID from the caller's shell (tests run inside an allocation, say)
-    would otherwise reach the local cluster's sbatch.
-    """
-    launch = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "SQUEUE_", "SINFO_", "TORCHELASTIC_"))
-           and k not in launch}
-    return {**env, "SLURM_CONF": str(conf), "PYTHONUNBUFFERED": "1", **(extra or {})}
+    """Variables for talking to the cluster `conf` (run_slurm_command drops the caller's Slurm ones)."""
+    return {"SLURM_CONF": str(conf), **(extra or {})}
 
 
-def sh(cmd: list[str], env: dict[str, str], timeout: float = 30.0) -> subprocess.CompletedProcess:
-    """Run `cmd` in its own process group; kill the group and fail the test after `timeout` seconds."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"$ {' '.join(cmd)}\ntimed out after {timeout:.0f}s\n{out}\n{err}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+def sh(cmd: list[str], env: dict[str, str], timeout: float = 30.0) -> Run:
+    """Run `cmd` in its own process group; fail the test after `timeout` seconds (the group is killed)."""
+    run = run_slurm_command(cmd, env, timeout)
+    if run.returncode is None:
+        pytest.fail(f"$ {' '.join(cmd)}\ntimed out after {timeout:.0f}s\n{run.stdout}\n{run.stderr}")
+    return run
 
 
 def processes_under(path: Path) -> list[str]:
@@ -81,7 +66,7 @@ def processes_under(path: Path) -> list[str]:
 class Cluster:
     dir: Path
     conf: Path
-    start: subprocess.CompletedProcess
+    start: Run
 
     def logs(self) -> str:
         return "\n".join(f"--- {f.name} (last lines) ---\n" + "\n".join(f.read_text().splitlines()[-20:])
