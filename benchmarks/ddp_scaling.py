@@ -1,0 +1,321 @@
+"""DDP scaling on the CPU: samples/s with 1 and W processes, and what buckets and no_sync change.
+
+    python benchmarks/ddp_scaling.py                         # the full set, ~1.5 min on 2 cores
+    python benchmarks/ddp_scaling.py --batches 64 --steps 5  # quick look
+
+Every process runs with ONE intra-op thread (torch.set_num_threads(1)), so W processes use W cores
+and W=1 uses one: the comparison is one core against W cores, not 2 threads against 2 processes.
+Each rank trains on its own random batch of the same size b (the per-rank batch), so W ranks process
+W*b samples per step. For each model and b it measures
+
+    single       1 process, plain model (no DDP): the baseline throughput(1)
+    independent  W processes, plain model, no communication at all: what the machine gives W copies
+                 of the work when nobody talks (shared caches, memory bandwidth, clock speed)
+    ddp          W processes, DistributedDataParallel (gloo): the real thing
+
+and prints efficiency = throughput(W) / (W * throughput(1)): 1.0 is perfect scaling.
+Then, for the MLP at one batch size: DDP with bucket_cap_mb 1, 25 (the default) and 100, and
+gradient accumulation over several micro-batches with and without no_sync().
+
+Models: "stage", the stages' Net (8 -> 64 -> 64 -> 4, 5 K parameters, tiny: all overhead), and "mlp", a
+compute-bound MLP (--mlp-width, 0.8 M parameters by default). Writes DIR/ddp_scaling.csv and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import math
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+COLUMNS = ["experiment", "model", "params", "mode", "world_size", "per_rank_batch", "global_batch", "bucket_cap_mb",
+           "accumulate", "no_sync", "steps", "step_ms", "samples_per_s", "efficiency"]
+
+
+class Net(nn.Module):
+    """The stages' model (01_single_gpu/train.py): 8 features, hidden 64, 4 classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 64), nn.ReLU())
+        self.head = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def make_model(name: str, width: int) -> tuple[nn.Module, int, int]:
+    """(model, input features, classes)."""
+    if name == "stage":
+        return Net(), 8, 4
+    # Three width x width layers: the matrix products dominate, so compute grows with batch * parameters.
+    layers = [nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width),
+              nn.ReLU(), nn.Linear(width, 10)]
+    return nn.Sequential(*layers), width, 10
+
+
+def measure(cfg: dict, args: argparse.Namespace, rank: int, distributed: bool) -> dict:
+    """Train cfg["model"] for some steps; return the measured row (timed from a common start)."""
+    torch.manual_seed(args.seed)
+    model, features, classes = make_model(cfg["model"], args.mlp_width)
+    params = sum(p.numel() for p in model.parameters())
+    if cfg["mode"] == "ddp":  # sync point: broadcasts rank 0's weights
+        model = DDP(model, bucket_cap_mb=cfg["bucket_cap_mb"])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    g = torch.Generator().manual_seed(args.seed + rank)
+    b, k = cfg["batch"], cfg["accumulate"]
+    # A few batches made in advance and cycled: the timing is the training step, not data generation.
+    data = [(torch.randn(b, features, generator=g), torch.randint(0, classes, (b,), generator=g)) for _ in range(4)]
+
+    def step(i: int) -> None:
+        for j in range(k):  # k micro-batches, one optimizer step
+            x, y = data[(i * k + j) % len(data)]
+            # no_sync: skip the gradient all-reduce for all but the last micro-batch; gradients
+            # accumulate locally and the last backward all-reduces the sum once.
+            skip = cfg["no_sync"] and j < k - 1
+            with model.no_sync() if skip else contextlib.nullcontext():
+                (F.cross_entropy(model(x), y) / k).backward()  # ddp: all-reduces buckets during backward
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def slowest(seconds: float) -> float:  # the step is done when the last rank is done
+        t = torch.tensor([seconds], dtype=torch.float64)
+        if distributed:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    for i in range(args.warmup):
+        step(i)
+    start = time.perf_counter()
+    step(args.warmup)
+    one = slowest(time.perf_counter() - start)
+    # Every rank must take the same number of steps (each ddp step is a collective): derived from the
+    # slowest rank's time, which all ranks now share.
+    steps = args.steps if args.steps else max(5, min(200, int(args.budget / one)))
+    if distributed:
+        dist.barrier()  # all ranks start the clock together
+    start = time.perf_counter()
+    for i in range(steps):
+        step(i)
+    seconds = slowest(time.perf_counter() - start)
+    world = dist.get_world_size() if distributed else 1
+    samples = steps * k * b * world
+    return {**{key: cfg[key] for key in ("experiment", "model", "mode", "accumulate", "no_sync")},
+            "bucket_cap_mb": cfg["bucket_cap_mb"] if cfg["mode"] == "ddp" else "", "params": params,
+            "world_size": world, "per_rank_batch": b, "global_batch": b * world, "steps": steps,
+            "step_ms": seconds / steps * 1e3, "samples_per_s": samples / seconds}
+
+
+def worker(rank: int, world: int, configs: list[dict], args: argparse.Namespace, results: mp.SimpleQueue) -> None:
+    torch.set_num_threads(1)  # one core per process: see the module docstring
+    distributed = world > 1
+    if distributed:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=args.timeout))
+    try:
+        rows = []
+        for i, cfg in enumerate(configs):
+            row = measure(cfg, args, rank, distributed)
+            rows.append(row)
+            if rank == 0:
+                print(f"[{world}p {i + 1}/{len(configs)}] {label(row)}: {row['samples_per_s']:,.0f} samples/s "
+                      f"({row['step_ms']:.2f} ms/step, {row['steps']} steps)", flush=True)
+        if rank == 0:
+            results.put(rows)
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+    # Leave without interpreter teardown, which can abort gloo's threads (see 03_ddp_spawn/README.md).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def label(row: dict) -> str:
+    extra = ""
+    if row["mode"] == "ddp":
+        extra = f", bucket {row['bucket_cap_mb']} MB"
+    if row["accumulate"] > 1:
+        extra += f", {row['accumulate']} micro-batches" + (" with no_sync" if row["no_sync"] else " all synced")
+    return f"{row['experiment']} {row['model']} {row['mode']} b={row['per_rank_batch']}{extra}"
+
+
+def plan(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """Configurations for the 1-process job and for the W-process job."""
+    base = {"bucket_cap_mb": 25, "accumulate": 1, "no_sync": False}
+    single, multi = [], []
+    for model in args.models:
+        for b in args.batches:
+            single.append({**base, "experiment": "scaling", "model": model, "batch": b, "mode": "single"})
+            multi.append({**base, "experiment": "scaling", "model": model, "batch": b, "mode": "independent"})
+            multi.append({**base, "experiment": "scaling", "model": model, "batch": b, "mode": "ddp"})
+    b = args.sweep_batch
+    single.append({**base, "experiment": "buckets", "model": "mlp", "batch": b, "mode": "single"})
+    for cap in args.bucket_caps:
+        multi.append({**base, "experiment": "buckets", "model": "mlp", "batch": b, "mode": "ddp", "bucket_cap_mb": cap})
+    acc = {**base, "experiment": "no_sync", "model": "mlp", "batch": b, "accumulate": args.accumulate}
+    single.append({**acc, "mode": "single"})
+    multi.append({**acc, "mode": "ddp"})
+    multi.append({**acc, "mode": "ddp", "no_sync": True})
+    return single, multi
+
+
+def key(row: dict) -> tuple:
+    return row["experiment"], row["model"], row["per_rank_batch"], row["accumulate"]
+
+
+def run(world: int, configs: list[dict], args: argparse.Namespace) -> list[dict]:
+    args.port = free_port()
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(worker, args=(world, configs, args, queue), nprocs=world)  # worker(rank, world, ...)
+    return queue.get()
+
+
+def print_table(rows: list[dict]) -> None:
+    header = ["experiment", "model", "params", "mode", "W", "b/rank", "global", "bucket MB", "micro", "no_sync",
+              "ms/step", "samples/s", "efficiency"]
+    table = [[r["experiment"], r["model"], f"{r['params']:,}", r["mode"], str(r["world_size"]),
+              str(r["per_rank_batch"]), str(r["global_batch"]), str(r["bucket_cap_mb"]) if r["mode"] == "ddp" else "-",
+              str(r["accumulate"]),
+              "yes" if r["no_sync"] else "-", f"{r['step_ms']:.2f}", f"{r['samples_per_s']:,.0f}",
+              f"{r['efficiency']:.2f}"] for r in rows]
+    widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
+    for row in [header, ["-" * w for w in widths], *table]:
+        print("  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    scaling = [r for r in rows if r["experiment"] == "scaling" and r["mode"] != "single"]
+    for i, model in enumerate(sorted({r["model"] for r in scaling})):
+        for mode, style in (("ddp", "-"), ("independent", "--")):
+            pts = sorted((r["global_batch"], r["efficiency"]) for r in scaling
+                         if r["model"] == model and r["mode"] == mode)
+            what = "DDP" if mode == "ddp" else "no communication"
+            left.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", color=f"C{i}",
+                      label=f"{model}: {what}")
+    left.axhline(1.0, color="grey", linewidth=1)
+    left.axhline(0.9, color="grey", linewidth=1, linestyle=":")
+    world = max(r["world_size"] for r in rows)
+    left.set(xscale="log", xlabel=f"global batch ({world} ranks x per-rank batch)", ylim=(0, 1.1),
+             ylabel=f"efficiency = throughput({world}) / ({world} x throughput(1))", title="scaling, 1 thread per rank")
+    left.legend(fontsize=8)
+    sweep = [r for r in rows if r["experiment"] in ("buckets", "no_sync") and r["mode"] == "ddp"]
+    names = [(f"bucket {r['bucket_cap_mb']} MB" if r["experiment"] == "buckets" else
+              f"{r['accumulate']} micro-b.\n" + ("no_sync" if r["no_sync"] else "all synced")) for r in sweep]
+    right.bar(range(len(sweep)), [r["efficiency"] for r in sweep], color=["C2" if r["experiment"] == "buckets" else "C3"
+                                                                          for r in sweep])
+    right.set_xticks(range(len(sweep)), names, fontsize=8)
+    right.axhline(1.0, color="grey", linewidth=1)
+    b = sweep[0]["per_rank_batch"] if sweep else 0
+    right.set(ylabel="efficiency", ylim=(0, 1.1), title=f"mlp, {world} ranks, batch {b} per rank: buckets and no_sync")
+    fig.suptitle(f"DDP on gloo/CPU ({os.cpu_count()} cores, torch {torch.__version__})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line naming the flag, exit 2 (no usage dump)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def list_of(kind, choices: tuple[str, ...] = ()):
+    def parse(text: str):
+        try:
+            values = [kind(v) for v in text.split(",")]
+        except ValueError:
+            values = []
+        if not values or any(v not in choices if choices else v <= 0 for v in values):
+            allowed = f"from {','.join(choices)}" if choices else "positive numbers"
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list {allowed}, got {text!r}")
+        return values
+    parse.__name__ = "list"
+    return parse
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = ArgumentParser(prog="benchmarks/ddp_scaling.py", description=__doc__.splitlines()[0])
+    p.add_argument("--models", type=list_of(str, ("stage", "mlp")), default=["stage", "mlp"])
+    p.add_argument("--batches", type=list_of(int), default=[32, 128, 512, 2048], help="per-rank batch sizes")
+    p.add_argument("--world-size", type=positive(int), default=2, help="processes of the distributed runs")
+    p.add_argument("--mlp-width", type=positive(int), default=512, help="width of the MLP's layers (512: 0.8 M params)")
+    p.add_argument("--sweep-batch", type=positive(int), default=64, help="per-rank batch of the bucket/no_sync runs")
+    p.add_argument("--bucket-caps", type=list_of(int), default=[1, 25, 100], help="bucket_cap_mb values")
+    p.add_argument("--accumulate", type=positive(int), default=4, help="micro-batches per step in the no_sync run")
+    p.add_argument("--steps", type=int, default=0, help="timed steps per run (default 0: fit --budget)")
+    p.add_argument("--budget", type=positive(float), default=1.5, help="seconds of timed steps per run")
+    p.add_argument("--warmup", type=positive(int), default=3, help="untimed steps first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("runs/ddp_scaling"), help="where to write the CSV and PNG")
+    p.add_argument("--timeout", type=positive(float), default=120.0,
+                   help="seconds a collective waits for the other ranks before the job fails")
+    args = p.parse_args(argv)
+    if args.steps < 0:
+        p.error(f"argument --steps: must be 0 (fit --budget) or positive, got {args.steps}")
+    if args.world_size < 2:
+        p.error(f"argument --world-size: the distributed runs need 2 or more processes, got {args.world_size}")
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"argument --out: cannot create {args.out} ({e.strerror}); choose a writable directory")
+
+    cores = os.cpu_count() or 1
+    over = " (oversubscribed: more processes than cores)" if args.world_size > cores else ""
+    print(f"DDP scaling: W = 1 and {args.world_size}{over} on {cores} CPU cores, gloo, ONE intra-op thread per "
+          f"process (torch.set_num_threads(1)), same per-rank batch; torch {torch.__version__}", flush=True)
+    single, multi = plan(args)
+    rows = run(1, single, args) + run(args.world_size, multi, args)
+    # The baseline of every row: 1 process, same experiment, model, per-rank batch and number of micro-batches.
+    base = {key(r): r["samples_per_s"] for r in rows if r["mode"] == "single"}
+    for r in rows:
+        r["efficiency"] = r["samples_per_s"] / (r["world_size"] * base[key(r)])
+
+    print()
+    print_table(rows)
+    print("efficiency = samples/s with W processes / (W x samples/s of 1 process), same per-rank batch. "
+          "independent: W processes training without any communication (the machine's own limit).")
+    with open(args.out / "ddp_scaling.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items() if k in COLUMNS})
+    plot(rows, args.out / "ddp_scaling.png")
+    print(f"\nwrote {args.out / 'ddp_scaling.csv'} and {args.out / 'ddp_scaling.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

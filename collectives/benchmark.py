@@ -1,0 +1,290 @@
+"""Time dist.all_reduce (gloo) against the hand-written ring and parameter server, 4 KB to 64 MB.
+
+    python collectives/benchmark.py                                  # W = 2 and 4, 4 KB .. 64 MB
+    python collectives/benchmark.py --world-sizes 2 --sizes 16M,64M --out runs/coll
+
+For each world size W it starts W processes (mp.spawn, gloo, one intra-op thread each) and, for
+each tensor size and algorithm, times the all-reduce of a float32 tensor: warm-up calls first, then
+the median over repeats of the slowest rank's time (the collective is done when the last rank has
+the result). It reports
+
+    algbw = bytes / time                  what the caller sees: the tensor's size over the time taken
+    busbw = algbw * 2 (W - 1) / W         the bytes each rank had to move, over the time taken
+
+busbw (the convention of nccl-tests) makes world sizes comparable: an all-reduce cannot do with less
+than 2 (W-1)/W * N bytes sent by each rank (every rank must send away its W-1 shares of its tensor to
+be reduced, and receive W-1 shares of the result), so busbw is the bandwidth each rank's link really
+sustained, for an optimal algorithm. As the reference for what the hardware can move, the table also
+shows the bandwidth of a plain copy (tensor.copy_) of the same size in one process.
+
+Writes DIR/collectives.csv and DIR/collectives.png (--out, default runs/collectives).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from allreduce import PIECE_BYTES, ps_all_reduce, ring_all_reduce, ring_all_reduce_simple
+
+ALGORITHMS = ("all_reduce", "ring", "ps", "ring_simple")
+COLUMNS = ["world_size", "oversubscribed", "algorithm", "bytes", "repeats", "median_ms", "algbw_GBps",
+           "busbw_GBps", "copy_GBps", "time_vs_all_reduce"]
+
+
+def algorithm(name: str, piece_bytes: int):
+    return {"all_reduce": dist.all_reduce, "ring": lambda t: ring_all_reduce(t, piece_bytes),
+            "ps": ps_all_reduce, "ring_simple": ring_all_reduce_simple}[name]
+
+
+def time_call(fn, reset, repeats: int, warmup: int, budget: float, max_over_ranks: bool) -> tuple[float, int]:
+    """Median seconds of fn() over repeats, after warm-up calls; fewer repeats if each call is slow."""
+    times: list[float] = []
+    planned = warmup + repeats
+    i = 0
+    while i < planned:
+        reset()  # untimed: every call starts from the same input
+        if max_over_ranks:
+            dist.barrier()  # all ranks start together
+        start = time.perf_counter()
+        fn()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        if max_over_ranks:  # untimed: the call is done when the slowest rank is done
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            times.append(elapsed.item())
+        elif i == warmup - 1:  # after the warm-up: fit the repeats into the budget (5 or more)
+            planned = warmup + min(repeats, max(5, int(budget / max(elapsed.item(), 1e-9))))
+        i += 1
+    return statistics.median(times), len(times)
+
+
+def worker(rank: int, world: int, args: argparse.Namespace, results: mp.SimpleQueue) -> None:
+    torch.set_num_threads(1)  # one intra-op thread per rank: W ranks share the machine's cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=args.timeout))
+    try:
+        rows = []
+        for size in args.sizes:
+            src = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))  # float32
+            x = torch.empty_like(src)
+            line = []
+            for name in args.algorithms:
+                fn = algorithm(name, args.piece_bytes)
+                seconds, n = time_call(partial(fn, x), partial(x.copy_, src), args.repeats, args.warmup,
+                                       args.budget, max_over_ranks=True)
+                rows.append({"world_size": world, "algorithm": name, "bytes": size, "repeats": n,
+                             "median_ms": seconds * 1e3})
+                line.append(f"{name} {seconds * 1e3:.2f} ms")
+            if rank == 0:
+                print(f"W={world} {human(size):>6}: " + " | ".join(line), flush=True)
+        if rank == 0:
+            results.put(rows)
+    finally:
+        dist.destroy_process_group()
+    # Leave without interpreter teardown, which can abort gloo's threads (see 03_ddp_spawn/README.md).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def copy_bandwidth(sizes: list[int], args: argparse.Namespace) -> dict[int, float]:
+    """GB/s of dst.copy_(src) per size, in this process alone, one thread: what memory can move."""
+    torch.set_num_threads(1)
+    out = {}
+    for size in sizes:
+        src, dst = torch.randn(size // 4), torch.empty(size // 4)
+        seconds, _ = time_call(partial(dst.copy_, src), lambda: None, args.repeats, args.warmup, args.budget,
+                               max_over_ranks=False)
+        out[size] = size / seconds / 1e9
+    return out
+
+
+def human(size: int) -> str:
+    for unit, scale in (("MB", 1 << 20), ("KB", 1 << 10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale} {unit}"
+    return f"{size} B"
+
+
+def print_table(rows: list[dict], algorithms: list[str]) -> None:
+    by = {(r["world_size"], r["bytes"], r["algorithm"]): r for r in rows}
+    keys = sorted({(r["world_size"], r["bytes"]) for r in rows})
+    header = ["W", "size", *[f"{a} ms" for a in algorithms]]
+    if "ring" in algorithms and "all_reduce" in algorithms:
+        header.append("ring/all_reduce")
+    if "ps" in algorithms and "ring" in algorithms:
+        header.append("ps/ring")
+    header += [f"busbw {a}" for a in algorithms] + ["copy GB/s"]
+    table = []
+    for world, size in keys:
+        r = {a: by[world, size, a] for a in algorithms}
+        over = next(iter(r.values()))["oversubscribed"]
+        cells = [f"{world}{'*' if over else ''}", human(size), *[f"{r[a]['median_ms']:.3f}" for a in algorithms]]
+        if "ring/all_reduce" in header:
+            cells.append(f"{r['ring']['median_ms'] / r['all_reduce']['median_ms']:.2f}")
+        if "ps/ring" in header:
+            cells.append(f"{r['ps']['median_ms'] / r['ring']['median_ms']:.2f}")
+        cells += [f"{r[a]['busbw_GBps']:.3f}" for a in algorithms] + [f"{r[algorithms[0]]['copy_GBps']:.2f}"]
+        table.append(cells)
+    widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
+    for row in [header, ["-" * w for w in widths], *table]:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+    if any(r["oversubscribed"] for r in rows):
+        print(f"* oversubscribed: more processes than the {os.cpu_count()} CPU cores, which they share")
+    print("busbw = algbw * 2(W-1)/W in GB/s (1 GB = 1e9 bytes); copy GB/s: one tensor.copy_ of the same size")
+
+
+def plot(rows: list[dict], algorithms: list[str], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    worlds = sorted({r["world_size"] for r in rows})
+    styles = {w: s for w, s in zip(worlds, ["-", "--", ":", "-."] * 4, strict=False)}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for world in worlds:
+        over = " (oversubscribed)" if any(r["oversubscribed"] for r in rows if r["world_size"] == world) else ""
+        for i, name in enumerate(algorithms):
+            pts = sorted((r["bytes"], r["busbw_GBps"], r["time_vs_all_reduce"]) for r in rows
+                         if r["world_size"] == world and r["algorithm"] == name)
+            kw = {"color": f"C{i}", "linestyle": styles[world], "marker": "o", "markersize": 3}
+            left.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{name}, W={world}{over}", **kw)
+            right.plot([p[0] for p in pts], [p[2] for p in pts], label=f"{name}, W={world}", **kw)
+    copy = sorted({(r["bytes"], r["copy_GBps"]) for r in rows})
+    left.plot([c[0] for c in copy], [c[1] for c in copy], color="grey", linewidth=3, alpha=0.5,
+              label="tensor.copy_ (one process)")
+    left.set(xscale="log", yscale="log", xlabel="tensor size (bytes)", ylabel="busbw (GB/s)",
+             title="bus bandwidth = algbw * 2(W-1)/W")
+    right.axhline(1.0, color="grey", linewidth=1)
+    right.axhline(1.25, color="grey", linewidth=1, linestyle=":")
+    right.set(xscale="log", yscale="log", xlabel="tensor size (bytes)", ylabel="time / dist.all_reduce time",
+              title="time relative to dist.all_reduce (gloo)")
+    left.legend(fontsize=7)
+    right.legend(fontsize=7)
+    fig.suptitle(f"all-reduce of float32 tensors on gloo/CPU ({os.cpu_count()} cores, torch {torch.__version__})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line naming the flag, exit 2 (no usage dump)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def size_list(text: str) -> list[int]:
+    """'4K,1M,64M' -> bytes; multiples of 4 (float32 elements)."""
+    out = []
+    for item in text.split(","):
+        item = item.strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(item[-1:], 1)
+        number = item[:-1] if scale > 1 else item
+        if not number.isdigit() or int(number) * scale % 4 or int(number) == 0:
+            raise argparse.ArgumentTypeError(f"expected sizes such as 4K,1M,64M (positive multiples of 4 bytes), "
+                                             f"got {text!r}")
+        out.append(int(number) * scale)
+    return out
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 2:  # one process has nothing to reduce with
+        raise argparse.ArgumentTypeError(f"expected world sizes of 2 or more, such as 2,4, got {text!r}")
+    return values
+
+
+def name_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",")]
+    unknown = [n for n in names if n not in ALGORITHMS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {','.join(ALGORITHMS)}")
+    return names
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = ArgumentParser(prog="collectives/benchmark.py", description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=size_list, default=size_list("4K,16K,64K,256K,1M,4M,16M,64M"),
+                   help="tensor sizes in bytes, K/M suffixes (default 4K,16K,...,64M)")
+    p.add_argument("--world-sizes", type=int_list, default=[2, 4], help="comma-separated (default 2,4)")
+    p.add_argument("--algorithms", type=name_list, default=list(ALGORITHMS),
+                   help=f"comma-separated subset of {','.join(ALGORITHMS)}")
+    p.add_argument("--repeats", type=positive(int), default=30, help="timed calls per point, at most (default 30)")
+    p.add_argument("--warmup", type=positive(int), default=2, help="untimed calls first (default 2)")
+    p.add_argument("--budget", type=positive(float), default=1.0,
+                   help="seconds of timed calls per point: fewer repeats (at least 5) for slow calls")
+    p.add_argument("--piece-bytes", type=positive(int), default=PIECE_BYTES, help="the fast ring's piece size")
+    p.add_argument("--out", type=Path, default=Path("runs/collectives"), help="where to write the CSV and PNG")
+    p.add_argument("--timeout", type=positive(float), default=120.0,
+                   help="seconds a collective waits for the other ranks before the job fails")
+    args = p.parse_args(argv)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"argument --out: cannot create {args.out} ({e.strerror}); choose a writable directory")
+
+    cores = os.cpu_count() or 1
+    print(f"all-reduce benchmark: float32, sizes {human(min(args.sizes))} .. {human(max(args.sizes))}, "
+          f"W = {','.join(map(str, args.world_sizes))} ({cores} CPU cores), gloo, 1 intra-op thread per rank, "
+          f"median of up to {args.repeats} after {args.warmup} warm-up calls; torch {torch.__version__}", flush=True)
+    rows: list[dict] = []
+    for world in args.world_sizes:
+        args.port = free_port()
+        queue = mp.get_context("spawn").SimpleQueue()
+        mp.spawn(worker, args=(world, args, queue), nprocs=world)  # worker(rank, world, args, queue)
+        rows += queue.get()
+    copy = copy_bandwidth(args.sizes, args)  # after the ranks are gone: the machine is otherwise idle
+    reference = {(r["world_size"], r["bytes"]): r["median_ms"] for r in rows if r["algorithm"] == "all_reduce"}
+    for r in rows:
+        w, seconds = r["world_size"], r["median_ms"] / 1e3
+        r["oversubscribed"] = w > cores
+        r["algbw_GBps"] = r["bytes"] / seconds / 1e9
+        r["busbw_GBps"] = r["algbw_GBps"] * 2 * (w - 1) / w
+        r["copy_GBps"] = copy[r["bytes"]]
+        ref = reference.get((w, r["bytes"]))
+        r["time_vs_all_reduce"] = r["median_ms"] / ref if ref else ""
+
+    print()
+    print_table(rows, args.algorithms)
+    with open(args.out / "collectives.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    plot(rows, args.algorithms, args.out / "collectives.png")
+    print(f"\nwrote {args.out / 'collectives.csv'} and {args.out / 'collectives.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

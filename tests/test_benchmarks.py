@@ -1,0 +1,148 @@
+"""The benchmarks run and write well-formed results. Not timed tests: the numbers are only checked to exist.
+
+Each benchmark runs once, on a tiny setting, as a real bounded subprocess (the harness's launcher);
+the tests check its CSV (expected columns, every configuration present, positive numbers), its PNG
+and its table. The DP-vs-DDP benchmark needs GPUs: here it must say so and exit 0 without numbers.
+"""
+from __future__ import annotations
+
+import csv
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import ROOT, Run, check, launch_commands
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def read_csv(path: Path) -> tuple[list[str], list[dict]]:
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        return list(reader.fieldnames or []), list(reader)
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, f"{path} is not a PNG"
+    assert len(data) > 10_000, f"{path} is suspiciously small ({len(data)} bytes): an empty figure?"
+
+
+def run_script(script: str, *flags: str, out: Path | None = None, timeout: float = 180) -> Run:
+    cmd = [sys.executable, str(ROOT / script), *flags, *(["--out", str(out)] if out else [])]
+    return launch_commands([cmd], out, timeout=timeout)
+
+
+# --- collectives/benchmark.py -------------------------------------------------------------------
+
+COLL_SIZES = [4096, 65536]
+COLL_WORLDS = [2, 3]  # 3 ranks on 2 cores: also exercises the "oversubscribed" label
+COLL_ALGORITHMS = {"all_reduce", "ring", "ps", "ring_simple"}
+
+
+@pytest.fixture(scope="module")
+def collectives_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    out = tmp_path_factory.mktemp("collectives_bench")
+    return check(run_script("collectives/benchmark.py", "--world-sizes", "2,3", "--sizes", "4K,64K", "--repeats", "3",
+                            "--warmup", "1", out=out))
+
+
+def test_collectives_benchmark_writes_every_point(collectives_run):
+    columns, rows = read_csv(collectives_run.out / "collectives.csv")
+    assert columns == ["world_size", "oversubscribed", "algorithm", "bytes", "repeats", "median_ms", "algbw_GBps",
+                       "busbw_GBps", "copy_GBps", "time_vs_all_reduce"]
+    points = {(int(r["world_size"]), r["algorithm"], int(r["bytes"])) for r in rows}
+    assert points == {(w, a, s) for w in COLL_WORLDS for a in COLL_ALGORITHMS for s in COLL_SIZES}
+    assert len(rows) == len(points), "one row per point"
+    for r in rows:
+        for col in ("median_ms", "algbw_GBps", "busbw_GBps", "copy_GBps", "time_vs_all_reduce"):
+            assert float(r[col]) > 0, (col, r)
+        assert int(r["repeats"]) >= 3
+        w, algbw, busbw = int(r["world_size"]), float(r["algbw_GBps"]), float(r["busbw_GBps"])
+        assert busbw == pytest.approx(algbw * 2 * (w - 1) / w, rel=1e-3), "busbw = algbw * 2(W-1)/W"
+        assert algbw == pytest.approx(int(r["bytes"]) / float(r["median_ms"]) / 1e6, rel=1e-3)
+        assert r["oversubscribed"] == str(w > (os.cpu_count() or 1))
+        if r["algorithm"] == "all_reduce":
+            assert float(r["time_vs_all_reduce"]) == 1.0
+    assert_png(collectives_run.out / "collectives.png")
+
+
+def test_collectives_benchmark_prints_progress_and_a_table(collectives_run):
+    out = collectives_run.stdout
+    for w in COLL_WORLDS:  # a progress line per (W, size)
+        assert f"W={w}   4 KB: all_reduce" in out and f"W={w}  64 KB: all_reduce" in out
+    table = out.split("ring/all_reduce", 1)[1]
+    assert "busbw ring" in out and "copy GB/s" in out and "wrote " in out
+    assert len([line for line in table.splitlines() if " KB " in line]) == len(COLL_WORLDS) * len(COLL_SIZES)
+
+
+# --- benchmarks/ddp_scaling.py ------------------------------------------------------------------
+
+BATCHES, CAPS = [8, 16], [1, 25, 100]
+
+
+@pytest.fixture(scope="module")
+def scaling_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    out = tmp_path_factory.mktemp("ddp_scaling")
+    return check(run_script("benchmarks/ddp_scaling.py", "--batches", "8,16", "--sweep-batch", "8", "--steps", "2",
+                            "--warmup", "1", "--mlp-width", "32", "--accumulate", "2", out=out))
+
+
+def test_ddp_scaling_writes_every_configuration(scaling_run):
+    columns, rows = read_csv(scaling_run.out / "ddp_scaling.csv")
+    assert columns == ["experiment", "model", "params", "mode", "world_size", "per_rank_batch", "global_batch",
+                       "bucket_cap_mb", "accumulate", "no_sync", "steps", "step_ms", "samples_per_s", "efficiency"]
+    configs = {(r["experiment"], r["model"], r["mode"], int(r["world_size"]), int(r["per_rank_batch"]),
+                r["bucket_cap_mb"], int(r["accumulate"]), r["no_sync"]) for r in rows}
+    expected = set()
+    for model in ("stage", "mlp"):
+        for b in BATCHES:
+            expected |= {("scaling", model, "single", 1, b, "", 1, "False"),
+                         ("scaling", model, "independent", 2, b, "", 1, "False"),
+                         ("scaling", model, "ddp", 2, b, "25", 1, "False")}
+    expected |= {("buckets", "mlp", "single", 1, 8, "", 1, "False")}
+    expected |= {("buckets", "mlp", "ddp", 2, 8, str(cap), 1, "False") for cap in CAPS}
+    expected |= {("no_sync", "mlp", "single", 1, 8, "", 2, "False"), ("no_sync", "mlp", "ddp", 2, 8, "25", 2, "False"),
+                 ("no_sync", "mlp", "ddp", 2, 8, "25", 2, "True")}
+    assert configs == expected and len(rows) == len(expected)
+    for r in rows:
+        for col in ("params", "steps", "step_ms", "samples_per_s", "efficiency"):
+            assert float(r[col]) > 0, (col, r)
+        assert int(r["global_batch"]) == int(r["per_rank_batch"]) * int(r["world_size"])
+        if r["mode"] == "single":
+            assert float(r["efficiency"]) == 1.0
+    assert_png(scaling_run.out / "ddp_scaling.png")
+
+
+def test_ddp_scaling_says_how_it_measured(scaling_run):
+    out = scaling_run.stdout
+    assert "torch.set_num_threads(1)" in out, "the one-thread-per-process setting is stated"
+    # 1 process: 2 models x 2 batches + the bucket and no_sync baselines; 2 processes: independent and
+    # ddp per model and batch, 3 bucket caps, accumulation with and without no_sync.
+    assert out.count("samples/s (") == (4 + 1 + 1) + (8 + 3 + 2), "a progress line per configuration"
+    assert "efficiency = " in out and "wrote " in out
+
+
+# --- benchmarks/dp_vs_ddp.py --------------------------------------------------------------------
+
+def test_dp_vs_ddp_needs_gpus_and_says_so(tmp_path):
+    import torch
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("GPUs present: this test checks the message shown without them")
+    run = check(run_script("benchmarks/dp_vs_ddp.py", out=tmp_path / "dp", timeout=60))
+    assert "needs 2 or more GPUs" in run.stdout and "Nothing measured" in run.stdout, run.describe()
+    assert not (tmp_path / "dp").exists() or not any((tmp_path / "dp").iterdir()), "no numbers without GPUs"
+
+
+@pytest.mark.parametrize(("script", "flags", "flag"), [
+    ("collectives/benchmark.py", ["--sizes", "4K,6"], "--sizes"),
+    ("collectives/benchmark.py", ["--world-sizes", "1"], "--world-sizes"),
+    ("benchmarks/ddp_scaling.py", ["--batches", "0"], "--batches"),
+    ("benchmarks/dp_vs_ddp.py", ["--batch-size", "-1"], "--batch-size"),
+])
+def test_bad_flag_is_one_line_and_exit_2(script, flags, flag):
+    run = run_script(script, *flags, timeout=60)
+    assert run.returncode == 2 and run.stdout == "", run.describe()
+    assert run.stderr.strip().count("\n") == 0 and flag in run.stderr, run.stderr
