@@ -1,0 +1,232 @@
+"""What the notebooks share: run a stage as a reader would, show a diff, compare runs, plot them.
+
+A plain module, not a notebook (it has no .ipynb twin). The notebooks import it from their own
+folder, which is where Jupyter and VS Code start their kernels. The launching itself is tour.py's:
+`plan()` gives the same configurations as the tour and the tests, and `run_job()` runs a command
+(or one per node) under a deadline, kills the whole job if it is exceeded (workers included), and
+reports any process that outlived the launcher.
+
+Runs go to runs/notebooks/ in the repository (ignored by git), or to $NOTEBOOK_RUNS if it is set
+(the tests point it at a temporary directory).
+"""
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+import os
+import shlex
+import shutil
+import sys
+import textwrap
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tour import TORCHRUN, Run, Step, max_abs_diff, plan, run_job  # noqa: E402  (after the path is set)
+
+RUNS = Path(os.environ.get("NOTEBOOK_RUNS") or ROOT / "runs" / "notebooks")
+WORLD, BATCH, EPOCHS = 2, 32, 8  # 2 processes of batch 32 = global batch 64; 8 short epochs
+ATOL = 1e-5  # the tour's tolerance for "the same weights"
+__all__ = ["ATOL", "BATCH", "EPOCHS", "ROOT", "RUNS", "TORCHRUN", "WORLD", "Run", "Setup", "Step", "compare",
+           "load_stage", "max_abs_diff", "plot_runs", "run", "setup", "show", "show_diff", "show_outline", "shown",
+           "with_args"]
+
+
+def _display(obj) -> None:
+    from IPython.display import display
+    display(obj)
+
+
+def _markdown(text: str) -> None:
+    from IPython.display import Markdown
+    _display(Markdown(text))
+
+
+def show(fig) -> None:
+    """Show a figure once, then close it (under Jupyter's inline backend, and under Agg in the tests)."""
+    import matplotlib.pyplot as plt
+    _display(fig)
+    plt.close(fig)
+
+
+@dataclass(frozen=True)
+class Setup:
+    gpus: int
+    device: str  # what every stage is given: "auto" (the GPUs) with 2 or more GPUs, else "cpu"
+    steps: tuple[Step, ...]
+
+    def step(self, stage: str, launcher: str | None = None) -> Step:
+        """The tour's configuration of `stage` (stage 04 has two: launcher "torchrun" or "python")."""
+        for s in self.steps:
+            if s.stage == stage and launcher in (None, s.launcher):
+                return s
+        raise KeyError(f"no {stage} {launcher or ''} in the plan")
+
+
+def setup() -> Setup:
+    """GPUs where present (two or more, so that every stage can use them), else the CPU with gloo."""
+    import torch  # ~2 s: the scripts' own launches pay the same in every process
+
+    gpus = torch.cuda.device_count()
+    device = "auto" if gpus >= 2 else "cpu"
+    where = f"{gpus} GPUs: nccl" if gpus >= 2 else "the CPU: gloo" + (" (1 GPU is not enough to split)" if gpus else "")
+    print(f"torch {torch.__version__} | {where} | world size {WORLD}, batch {BATCH} per process "
+          f"= {WORLD * BATCH} global | {EPOCHS} epochs | runs in {RUNS}")
+    return Setup(gpus, device, tuple(plan(WORLD, BATCH, EPOCHS, device)))
+
+
+def load_stage(stage: str) -> ModuleType:
+    """Import a stage's train.py as a module: its classes and functions, without running anything."""
+    name = f"stage_{stage}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / stage / "train.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # inspect.getsource() finds classes through sys.modules
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def with_args(step: Step, **flags: str | int) -> Step:
+    """`step` with some flags replaced or added: with_args(step, batch_size=32, epochs=4)."""
+    args = list(step.args)
+    for name, value in flags.items():
+        flag = "--" + name.replace("_", "-")
+        if flag in args:
+            args[args.index(flag) + 1] = str(value)
+        else:
+            args += [flag, str(value)]
+    return replace(step, args=tuple(args))
+
+
+def shown(cmd: list[str]) -> str:
+    """A command as you would type it at the repository's root."""
+    torchrun = list(TORCHRUN)
+    words = ["torchrun", *cmd[len(torchrun):]] if cmd[:len(torchrun)] == torchrun else list(cmd)
+    words = ["python" if w == sys.executable else w for w in words]
+    return shlex.join(w.removeprefix(f"{ROOT}/") for w in words)
+
+
+def run(what: Step | list[list[str]], name: str, timeout: float = 120.0, env: dict[str, str] | None = None,
+        fresh: bool = True, quiet: bool = False) -> Run:
+    """Run a step (or one command per node) with its output in RUNS/name; raise if it fails or overruns.
+
+    `fresh` empties RUNS/name first, so a summary is never left over from an earlier run.
+    """
+    out = RUNS / name
+    if fresh:
+        shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    if isinstance(what, Step):
+        cmds, env = what.commands(out=out), {**what.env, **(env or {})}
+    else:
+        cmds = what
+    for i, cmd in enumerate(cmds):
+        prefix = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+        node = f"    # node {i}, in terminal {i + 1}" if len(cmds) > 1 else ""
+        print(f"$ {prefix + ' ' if prefix else ''}{shown(cmd)}{node}")
+    result = run_job(cmds, out, env, timeout=timeout)
+    if result.returncode != 0 or result.survivors:
+        why = ("it was killed at its time limit" if result.returncode is None else
+               f"processes outlived it: {result.survivors}" if result.returncode == 0 else "it failed")
+        raise RuntimeError(f"{name}: {why}\n{result.describe()}")
+    if not quiet:
+        print(result.stdout.rstrip())
+    print(f"(exit 0 after {result.seconds:.1f} s)\n")
+    return result
+
+
+def show_diff(old_stage: str, new_stage: str, context: int = 1) -> None:
+    """`diff -u old/train.py new/train.py`, rendered."""
+    old = (ROOT / old_stage / "train.py").read_text().splitlines()
+    new = (ROOT / new_stage / "train.py").read_text().splitlines()
+    lines = list(difflib.unified_diff(old, new, f"{old_stage}/train.py", f"{new_stage}/train.py", n=context,
+                                      lineterm=""))
+    added = sum(1 for line in lines if line.startswith("+") and not line.startswith("+++"))
+    removed = sum(1 for line in lines if line.startswith("-") and not line.startswith("---"))
+    _markdown(f"**{new_stage}/train.py vs {old_stage}/train.py**: {added} lines added, {removed} removed "
+              f"(of {len(new)})\n\n```diff\n" + "\n".join(lines) + "\n```")
+
+
+def show_outline(stage: str) -> None:
+    """The top-level functions and classes of a stage's train.py, with the first line of their docstring."""
+    tree = ast.parse((ROOT / stage / "train.py").read_text())
+    rows = ["| line | definition | what it is |", "|---|---|---|"]
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            doc = (ast.get_docstring(node) or "").split("\n")[0]
+            kind = "class" if isinstance(node, ast.ClassDef) else "def"
+            rows.append(f"| {node.lineno} | `{kind} {node.name}` | {doc} |")
+    _markdown("\n".join(rows))
+
+
+def compare(reference: Run, runs: dict[str, Run], ref_label: str = "01 (one process)") -> dict[str, float]:
+    """A table of the runs against `reference` (stage 01): returns each run's largest |Δweight| from it."""
+    ref_model = reference.model
+    rows = ["| run | processes | backend/device | global batch | last epoch's loss | held-out accuracy "
+            "| max \\|Δw\\| vs 01 | wall s |", "|---|---|---|---|---|---|---|---|"]
+    diffs = {}
+    for label, r in {ref_label: reference, **runs}.items():
+        s = r.summary
+        diffs[label] = max_abs_diff(ref_model, r.model)
+        rows.append(f"| {label} | {s['world_size']} | {s['backend'] or '-'}/{s['device']} | {s['global_batch']} "
+                    f"| {s['losses'][-1]:.4f} | {s['eval_accuracy']:.2%} | {diffs[label]:.1e} | {r.seconds:.1f} |")
+    _markdown("\n".join(rows))
+    del diffs[ref_label]
+    return diffs
+
+
+def plot_runs(reference: Run, runs: dict[str, Run], title: str, ref_label: str = "01, one process"):
+    """Per-epoch training loss of each run over stage 01's, and the held-out accuracy and loss."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [3, 2]})
+    ref = reference.summary
+    epochs = range(1, len(ref["losses"]) + 1)
+    ax.plot(epochs, ref["losses"], color="0.75", lw=7, label=ref_label, zorder=1)
+    markers = "ox^sv"
+    for i, (label, r) in enumerate(runs.items()):
+        s = r.summary
+        ax.plot(range(1, len(s["losses"]) + 1), s["losses"], markers[i % len(markers)] + "--", ms=6, lw=1,
+                label=label, zorder=2 + i)
+    ax.set(xlabel="epoch", ylabel="mean training loss (log scale)", yscale="log", title=title)
+    for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+        axis(FormatStrFormatter("%.2g"))
+    ax.legend(fontsize=8)
+    labels = [ref_label, *runs]
+    summaries = [ref, *(r.summary for r in runs.values())]
+    accs = [100 * s["eval_accuracy"] for s in summaries]
+    bars = bx.bar(range(len(labels)), accs, color=["0.75", *[f"C{i}" for i in range(len(runs))]])
+    for bar, s in zip(bars, summaries, strict=True):
+        bx.annotate(f"{100 * s['eval_accuracy']:.2f}%\nloss {s['eval_loss']:.4f}", (bar.get_x() + bar.get_width() / 2,
+                    bar.get_height()), ha="center", va="bottom", fontsize=8)
+    bx.set_xticks(range(len(labels)), [textwrap.fill(label, 14) for label in labels], fontsize=8)
+    bx.set(ylim=(min(accs) - 5, 101), ylabel="held-out accuracy (%)",
+           title=f"held-out set ({ref['eval_count']} samples)")
+    fig.tight_layout()
+    show(fig)
+
+
+def strip(paths: list[str]) -> None:
+    """Clear the outputs and execution counts of saved notebooks, keeping cell ids (a small diff)."""
+    import nbformat
+
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                cell.outputs, cell.execution_count = [], None
+                cell.metadata.pop("execution", None)
+        nbformat.write(nb, path)
+        print(f"stripped {path}")
+
+
+if __name__ == "__main__":  # python notebooks/nbtools.py strip notebooks/*.ipynb
+    if sys.argv[1:2] != ["strip"] or not sys.argv[2:]:
+        sys.exit("usage: python notebooks/nbtools.py strip NOTEBOOK.ipynb ...")
+    strip(sys.argv[2:])

@@ -1,0 +1,174 @@
+"""The teaching notebooks: one per stage, each .ipynb in step with its .py twin, each running top to bottom.
+
+Pairs are compared with jupytext's own comparison (cells, sources, metadata), not by file times.
+Notebooks run on a real Jupyter kernel (nbclient + ipykernel, the `python3` kernelspec of this
+interpreter) with their working directory in notebooks/, where Jupyter and VS Code start them, so
+their paths work the same for a reader. Jupyter's, IPython's and matplotlib's own files go to
+temporary directories, and the notebooks' runs too ($NOTEBOOK_RUNS): nothing is written to HOME or
+to the repository. A failing notebook fails its test naming the cell, its source and the error.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import jupytext
+import nbformat
+import pytest
+from jupytext.compare import NotebookDifference, compare_notebooks
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+from harness import ROOT, STAGES
+
+NB_DIR = ROOT / "notebooks"
+NOTEBOOKS = sorted(p.stem for p in NB_DIR.glob("*.ipynb"))
+HELPERS = {"nbtools.py"}  # plain modules the notebooks import: no .ipynb twin
+CELL_TIMEOUT = 180  # s; every subprocess a notebook starts has its own, shorter, limit
+TEXT_FORMAT = "py:percent"
+
+
+class NotebookFailed(AssertionError):
+    pass
+
+
+def check_pair(ipynb: Path, text: Path) -> None:
+    """Raise NotebookDifference unless the .ipynb and its percent .py hold the same notebook."""
+    compare_notebooks(jupytext.read(text, fmt=TEXT_FORMAT), jupytext.read(ipynb), fmt=TEXT_FORMAT)
+
+
+def kernel_env(tmp: Path) -> dict[str, str]:
+    """Variables for a kernel (and for jupyter_client, which writes the connection file) that keep HOME clean."""
+    dirs = {var: tmp / name for var, name in [("JUPYTER_CONFIG_DIR", "jupyter_config"),
+                                              ("JUPYTER_DATA_DIR", "jupyter_data"),
+                                              ("JUPYTER_RUNTIME_DIR", "jupyter_runtime"),
+                                              ("IPYTHONDIR", "ipython"), ("MPLCONFIGDIR", "matplotlib"),
+                                              ("NOTEBOOK_RUNS", "runs")]}
+    for d in dirs.values():
+        d.mkdir(parents=True, exist_ok=True)
+    return {**{k: str(v) for k, v in dirs.items()}, "MPLBACKEND": "Agg", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def _plain(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)  # tracebacks come coloured
+
+
+def execute(path: Path, env: dict[str, str], cwd: Path | None = None) -> list[float]:
+    """Run every cell of the notebook at `path` on a fresh kernel; return each cell's seconds.
+
+    On the first failing cell raise NotebookFailed naming the cell (its index among all cells, and
+    its line in the .py twin if there is one), its source and the error.
+    """
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3",
+                            resources={"metadata": {"path": str(cwd or path.parent)}})
+    twin = path.with_suffix(".py")
+    seconds = []
+    with client.setup_kernel(env={**os.environ, **env}):
+        for index, cell in enumerate(nb.cells):
+            start = time.monotonic()
+            try:
+                client.execute_cell(cell, index)
+            except (CellExecutionError, CellTimeoutError, DeadKernelError) as e:
+                where = ""
+                if twin.exists() and cell.source.strip():
+                    first = cell.source.strip().splitlines()[0]
+                    lines = twin.read_text().splitlines()
+                    hit = next((n for n, line in enumerate(lines, 1) if line.strip() == first.strip()), None)
+                    where = f" ({twin.name} line {hit})" if hit else ""
+                raise NotebookFailed(
+                    f"{path.name}: cell {index}{where} failed after {time.monotonic() - start:.1f}s "
+                    f"({type(e).__name__}):\n--- cell {index} ---\n{cell.source}\n--- error ---\n"
+                    f"{_plain(str(e))[-6000:]}") from None
+            seconds.append(time.monotonic() - start)
+    return seconds
+
+
+@pytest.fixture(scope="session")
+def jupyter_env(tmp_path_factory: pytest.TempPathFactory):
+    """Kernel variables; the same set in this process, where jupyter_client writes the connection files."""
+    env = kernel_env(tmp_path_factory.mktemp("jupyter"))
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR", "IPYTHONDIR", "MPLCONFIGDIR"):
+            mp.setenv(var, env[var])
+        yield env
+
+
+def test_a_notebook_for_every_stage():
+    assert NOTEBOOKS == STAGES, "notebooks/ should hold one notebook per stage, named like its folder"
+
+
+def test_every_notebook_has_its_twin():
+    """Each .ipynb has a .py and each .py (but the helpers) an .ipynb: a half-added pair is caught here."""
+    ipynbs = {p.stem for p in NB_DIR.glob("*.ipynb")}
+    texts = {p.stem for p in NB_DIR.glob("*.py") if p.name not in HELPERS}
+    assert ipynbs == texts, f"without a .py: {sorted(ipynbs - texts)}; without an .ipynb: {sorted(texts - ipynbs)}"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_pair_in_sync(name):
+    try:
+        check_pair(NB_DIR / f"{name}.ipynb", NB_DIR / f"{name}.py")
+    except NotebookDifference as e:
+        pytest.fail(f"notebooks/{name}.ipynb and notebooks/{name}.py differ; edit one, then run "
+                    f"`jupytext --sync notebooks/{name}.py` (it keeps the newer file's content):\n{e}")
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_committed_notebook_has_no_outputs(name):
+    """Outputs are stripped (see notebooks/README.md): the CI run makes them, timings and all, every time."""
+    nb = nbformat.read(NB_DIR / f"{name}.ipynb", as_version=4)
+    dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)]
+    assert not dirty, (f"notebooks/{name}.ipynb carries outputs in cells {dirty}: clear them with "
+                       f"`python notebooks/nbtools.py strip notebooks/{name}.ipynb` (see notebooks/README.md)")
+
+
+def test_pair_check_catches_an_edit_on_either_side(tmp_path):
+    """The checker itself: a .py edited without its .ipynb fails, and so does the reverse."""
+    name = NOTEBOOKS[0]
+    for side in ("py", "ipynb"):
+        copy = tmp_path / side
+        copy.mkdir()
+        for suffix in ("py", "ipynb"):
+            shutil.copy(NB_DIR / f"{name}.{suffix}", copy / f"{name}.{suffix}")
+        check_pair(copy / f"{name}.ipynb", copy / f"{name}.py")  # the copies agree...
+        if side == "py":
+            path = copy / f"{name}.py"
+            path.write_text(path.read_text() + "\n# %%\nprint('added to the .py only')\n")
+        else:
+            nb = nbformat.read(copy / f"{name}.ipynb", as_version=4)
+            code = next(c for c in nb.cells if c.cell_type == "code")
+            code.source += "\nprint('added to the .ipynb only')"
+            nbformat.write(nb, copy / f"{name}.ipynb")
+        with pytest.raises(NotebookDifference):  # ...until one side is edited alone
+            check_pair(copy / f"{name}.ipynb", copy / f"{name}.py")
+
+
+def test_a_failing_cell_is_named(tmp_path, jupyter_env):
+    """The executor itself: a broken notebook fails with the cell's index, its source and the error."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# broken on purpose"),
+                                         nbformat.v4.new_code_cell("x = 1"),
+                                         nbformat.v4.new_code_cell("y = x + 1\nraise ValueError(f'boom {y}')"),
+                                         nbformat.v4.new_code_cell("print('never reached')")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = tmp_path / "broken.ipynb"
+    nbformat.write(nb, path)
+    with pytest.raises(NotebookFailed) as failure:
+        execute(path, jupyter_env)
+    message = str(failure.value)
+    assert "broken.ipynb: cell 2 " in message and "raise ValueError(f'boom {y}')" in message, message
+    assert "ValueError: boom 2" in message and "never reached" not in message, message
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_runs_top_to_bottom(name, jupyter_env):
+    """Headless, on a real kernel, in notebooks/ as a reader would; its runs go to a temporary directory."""
+    start = time.monotonic()
+    cells = execute(NB_DIR / f"{name}.ipynb", jupyter_env)
+    total = time.monotonic() - start
+    slowest = max(range(len(cells)), key=cells.__getitem__)
+    print(f"{name}: {total:.1f}s (slowest: cell {slowest}, {cells[slowest]:.1f}s)")
+    assert total < 120, f"{name} took {total:.0f}s: a notebook should run in well under a minute"
