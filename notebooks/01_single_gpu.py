@@ -78,9 +78,9 @@ assert diffs["01, batch 32"] > 1e-3, "another batch size should end at other wei
 # %% [markdown]
 # ## The result
 #
-# The loss falls by an order of magnitude within a few epochs and the held-out accuracy passes 95%.
-# The rerun lies exactly on the reference curve; batch 32 takes twice as many steps per epoch and
-# follows a curve of its own.
+# The loss falls from about 0.6 to below 0.1 within a few epochs, and the held-out accuracy passes
+# 95%. (With the default 20 epochs it goes on to ~0.05 and ~97%.) The rerun lies exactly on the
+# reference curve; batch 32 takes twice as many steps per epoch and follows a curve of its own.
 
 # %%
 nb.plot_runs(ref, {"01 again, batch 64": again, "01, batch 32": batch32}, "stage 01", ref_label="01, batch 64")

@@ -78,7 +78,7 @@ for name, p in split.named_parameters():
     print(f"{name:15} {str(tuple(p.shape)):9} on {p.device}")
 x = torch.randn(5, 8)
 assert split.state_dict().keys() == whole.state_dict().keys()
-assert torch.allclose(split(x).cpu(), whole(x), atol=1e-6), "the split model computes something else"
+assert torch.allclose(split(x).cpu(), whole(x), atol=1e-5), "the split model computes something else"
 print(f"same keys, same outputs as stage 01's Net; the output comes out on {split(x).device}")
 
 # %% [markdown]

@@ -37,20 +37,30 @@ __all__ = ["ATOL", "BATCH", "EPOCHS", "ROOT", "RUNS", "TORCHRUN", "WORLD", "Run"
            "with_args"]
 
 
-def _display(obj) -> None:
-    from IPython.display import display
-    display(obj)
+def _in_kernel() -> bool:
+    """True in Jupyter (or IPython); False when a notebook's .py runs as a plain script."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return get_ipython() is not None
 
 
 def _markdown(text: str) -> None:
-    from IPython.display import Markdown
-    _display(Markdown(text))
+    if _in_kernel():
+        from IPython.display import Markdown, display
+        display(Markdown(text))
+    else:
+        print(text)
 
 
 def show(fig) -> None:
-    """Show a figure once, then close it (under Jupyter's inline backend, and under Agg in the tests)."""
+    """Show a figure once, then close it (in Jupyter; as a plain script the pictures are skipped)."""
     import matplotlib.pyplot as plt
-    _display(fig)
+
+    if _in_kernel():
+        from IPython.display import display
+        display(fig)
     plt.close(fig)
 
 

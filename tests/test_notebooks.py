@@ -56,6 +56,13 @@ def _plain(text: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", text)  # tracebacks come coloured
 
 
+def _line_in_twin(twin: Path, source: str) -> int | None:
+    """Where a code cell starts in the percent .py twin (its `# %%` marker is followed by the source)."""
+    text = twin.read_text() if twin.exists() else ""
+    at = text.find(f"# %%\n{source}") if source.strip() else -1
+    return text.count("\n", 0, at) + 2 if at >= 0 else None
+
+
 def execute(path: Path, env: dict[str, str], cwd: Path | None = None) -> list[float]:
     """Run every cell of the notebook at `path` on a fresh kernel; return each cell's seconds.
 
@@ -73,12 +80,8 @@ def execute(path: Path, env: dict[str, str], cwd: Path | None = None) -> list[fl
             try:
                 client.execute_cell(cell, index)
             except (CellExecutionError, CellTimeoutError, DeadKernelError) as e:
-                where = ""
-                if twin.exists() and cell.source.strip():
-                    first = cell.source.strip().splitlines()[0]
-                    lines = twin.read_text().splitlines()
-                    hit = next((n for n, line in enumerate(lines, 1) if line.strip() == first.strip()), None)
-                    where = f" ({twin.name} line {hit})" if hit else ""
+                line = _line_in_twin(twin, cell.source)
+                where = f" ({twin.name} line {line})" if line else ""
                 raise NotebookFailed(
                     f"{path.name}: cell {index}{where} failed after {time.monotonic() - start:.1f}s "
                     f"({type(e).__name__}):\n--- cell {index} ---\n{cell.source}\n--- error ---\n"
@@ -156,10 +159,13 @@ def test_a_failing_cell_is_named(tmp_path, jupyter_env):
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     path = tmp_path / "broken.ipynb"
     nbformat.write(nb, path)
+    jupytext.write(nb, path.with_suffix(".py"), fmt=TEXT_FORMAT)  # a twin, to be pointed into
     with pytest.raises(NotebookFailed) as failure:
         execute(path, jupyter_env)
     message = str(failure.value)
-    assert "broken.ipynb: cell 2 " in message and "raise ValueError(f'boom {y}')" in message, message
+    line = next(n for n, text in enumerate(path.with_suffix(".py").read_text().splitlines(), 1) if text == "y = x + 1")
+    assert f"broken.ipynb: cell 2 (broken.py line {line})" in message, message
+    assert "raise ValueError(f'boom {y}')" in message, message
     assert "ValueError: boom 2" in message and "never reached" not in message, message
 
 
