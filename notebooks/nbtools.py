@@ -223,11 +223,15 @@ def plot_runs(reference: Run, runs: dict[str, Run], title: str, ref_label: str =
 
 
 def strip(paths: list[str]) -> None:
-    """Clear the outputs and execution counts of saved notebooks, keeping cell ids (a small diff)."""
+    """Clear what running and saving adds to a notebook (outputs, execution counts, language_info).
+
+    Cell ids stay, so the diff against the committed file is only what you changed.
+    """
     import nbformat
 
     for path in paths:
         nb = nbformat.read(path, as_version=4)
+        nb.metadata = nbformat.NotebookNode({k: v for k, v in nb.metadata.items() if k in ("kernelspec", "jupytext")})
         for cell in nb.cells:
             if cell.cell_type == "code":
                 cell.outputs, cell.execution_count = [], None

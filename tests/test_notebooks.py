@@ -82,10 +82,12 @@ def execute(path: Path, env: dict[str, str], cwd: Path | None = None) -> list[fl
             except (CellExecutionError, CellTimeoutError, DeadKernelError) as e:
                 line = _line_in_twin(twin, cell.source)
                 where = f" ({twin.name} line {line})" if line else ""
+                # nbclient's message repeats the source, then the cell's printed output and the traceback
+                detail = _plain(str(e)).split(f"------------------\n{cell.source}\n------------------\n", 1)[-1]
                 raise NotebookFailed(
                     f"{path.name}: cell {index}{where} failed after {time.monotonic() - start:.1f}s "
-                    f"({type(e).__name__}):\n--- cell {index} ---\n{cell.source}\n--- error ---\n"
-                    f"{_plain(str(e))[-6000:]}") from None
+                    f"({type(e).__name__}):\n--- cell {index} ---\n{cell.source}\n--- its output and error ---\n"
+                    f"{detail.strip()[-6000:]}") from None
             seconds.append(time.monotonic() - start)
     return seconds
 
@@ -115,9 +117,12 @@ def test_every_notebook_has_its_twin():
 def test_pair_in_sync(name):
     try:
         check_pair(NB_DIR / f"{name}.ipynb", NB_DIR / f"{name}.py")
+        return
     except NotebookDifference as e:
-        pytest.fail(f"notebooks/{name}.ipynb and notebooks/{name}.py differ; edit one, then run "
-                    f"`jupytext --sync notebooks/{name}.py` (it keeps the newer file's content):\n{e}")
+        difference = str(e)
+    pytest.fail(f"notebooks/{name}.ipynb and notebooks/{name}.py differ. After editing one, run "
+                f"`jupytext --sync notebooks/{name}.py`: it takes the cells from the newer file.\n"
+                f"(below, - is the .ipynb and + the .py)\n{difference}", pytrace=False)
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
@@ -173,7 +178,12 @@ def test_a_failing_cell_is_named(tmp_path, jupyter_env):
 def test_notebook_runs_top_to_bottom(name, jupyter_env):
     """Headless, on a real kernel, in notebooks/ as a reader would; its runs go to a temporary directory."""
     start = time.monotonic()
-    cells = execute(NB_DIR / f"{name}.ipynb", jupyter_env)
+    try:
+        cells, failure = execute(NB_DIR / f"{name}.ipynb", jupyter_env), None
+    except NotebookFailed as e:
+        failure = str(e)
+    if failure:
+        pytest.fail(failure, pytrace=False)  # the cell, its source, its output and error: no test traceback
     total = time.monotonic() - start
     slowest = max(range(len(cells)), key=cells.__getitem__)
     print(f"{name}: {total:.1f}s (slowest: cell {slowest}, {cells[slowest]:.1f}s)")
