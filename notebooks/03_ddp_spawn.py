@@ -13,8 +13,8 @@
 # step, there are `W` processes (ranks), one per device, each with its own full copy of the model
 # and its own optimizer. Each rank trains on its share of every global batch. In `backward()`, DDP
 # averages the gradients over the ranks, so every rank takes the same optimizer step and the copies
-# stay identical without ever sending weights. The script starts its processes itself, with
-# `torch.multiprocessing.spawn`.
+# stay identical. Weights travel once, when `DDP(model)` broadcasts rank 0's to the others; after
+# that only gradients do. The script starts its processes itself, with `torch.multiprocessing.spawn`.
 
 # %%
 import matplotlib.pyplot as plt

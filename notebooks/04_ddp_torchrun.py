@@ -65,9 +65,8 @@ nb.show_diff("03_ddp_spawn", "04_ddp_torchrun")
 # ## Run it: under torchrun, and as plain python
 #
 # Two workers of batch 32, then the same script as one ordinary process with batch 64, next to
-# stage 01 at batch 64. In a terminal, `torchrun` is the same program as
-# `python -m torch.distributed.run`; the notebook uses the second form so that it is this kernel's
-# Python.
+# stage 01 at batch 64. The commands are printed as you would type them, `torchrun …`; the notebook
+# runs `python -m torch.distributed.run …`, the same program, so that it is this kernel's Python.
 
 # %%
 ref = nb.run(cfg.step("01_single_gpu"), "04_ref_01", quiet=True)

@@ -98,9 +98,10 @@ nb.show_diff("06_checkpoint", "07_model_parallel")
 # %% [markdown]
 # ## Run it
 #
-# On the CPU: two processes of batch 32, each "splitting" its model over the CPU. With four or more
-# GPUs: two processes of two GPUs each; with two or three GPUs, one process of batch 64 split over
-# two GPUs (the same global batch).
+# On the CPU: two processes of batch 32, each "splitting" its model over the CPU. With GPUs, each
+# process needs two of them, so the plan makes the world size of 2 into one process of batch 64 whose
+# model spans `cuda:0` and `cuda:1`: the same global batch. (With four GPUs and
+# `--nproc_per_node=2`, it would be two processes of two GPUs each, as in the picture.)
 
 # %%
 ref = nb.run(cfg.step("01_single_gpu"), "07_ref_01", quiet=True)
