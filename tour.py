@@ -19,7 +19,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,26 +159,53 @@ def _kill_job(tag: str) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def _read(file) -> str:
+    """The whole of a file the job is still writing to (pread: our own offset stays put)."""
+    return os.pread(file.fileno(), os.fstat(file.fileno()).st_size, 0).decode(errors="replace")
+
+
+@dataclass
+class Job:
+    """A job while it runs, as a test that injects a fault sees it: its output so far and its processes."""
+    tag: str
+    start: float
+    files: list  # one (stdout, stderr) pair of temporary files per node
+    ended: threading.Event = field(default_factory=threading.Event)  # set once every launcher has exited
+
+    def output(self) -> str:
+        """What every node printed so far, stdout and stderr (the stages' output is unbuffered)."""
+        return "".join(_read(f) for pair in self.files for f in pair)
+
+    def members(self) -> list[int]:
+        return _job_members(self.tag)
+
+
 def run_job(cmds: list[list[str]], out: Path | None = None, env: dict[str, str] | None = None,
-            timeout: float = 180.0, grace: float = 5.0) -> Run:
-    """Run one command per node under one deadline.
+            timeout: float = 180.0, grace: float = 5.0, during: Callable[[Job], None] | None = None) -> Run:
+    """Run one command per node under one deadline; `during(job)`, if given, runs alongside in a thread.
 
     At the deadline every process of the job is killed (returncode None). Whatever outlives the
     launchers is reported in `survivors` and killed. stdout/stderr are node 0's, then the others'.
     """
     start = time.monotonic()
     tag = f"{os.getpid()}-{time.monotonic_ns()}"
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=clean_env({**(env or {}), JOB_TAG: tag}), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True) for cmd in cmds]
-    outputs, timed_out = [], False
+    # Files, not pipes: a pipe would need reading while the job runs, and `during` reads the output too.
+    files = [(tempfile.TemporaryFile(), tempfile.TemporaryFile()) for _ in cmds]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=clean_env({**(env or {}), JOB_TAG: tag}), stdout=o, stderr=e,
+                              start_new_session=True) for cmd, (o, e) in zip(cmds, files, strict=True)]
+    job = Job(tag, start, files)
+    watcher = threading.Thread(target=during, args=(job,), daemon=True) if during else None
+    if watcher:
+        watcher.start()
+    timed_out = False
     for proc in procs:
         try:
-            left = None if timed_out else max(0.0, start + timeout - time.monotonic())
-            outputs.append(proc.communicate(timeout=left))
+            proc.wait(timeout=None if timed_out else max(0.0, start + timeout - time.monotonic()))
         except subprocess.TimeoutExpired:
             timed_out = True
-            _kill_job(tag)  # launchers and workers: the workers hold the output pipes open too
-            outputs.append(proc.communicate())
+            _kill_job(tag)  # launchers and workers: torchrun's workers live in sessions of their own
+            proc.wait()
+    job.ended.set()
     codes = [p.returncode for p in procs]
     returncode = None if timed_out else next((c for c in codes if c != 0), 0)
     # Helpers such as multiprocessing's resource tracker leave on their own just after the
@@ -185,9 +214,15 @@ def run_job(cmds: list[list[str]], out: Path | None = None, env: dict[str, str] 
     while (survivors := _job_members(tag)) and time.monotonic() < deadline:
         time.sleep(0.02)
     _kill_job(tag)
-    stdout, stderr = ("".join(o[i] for o in outputs) for i in (0, 1))
+    seconds = time.monotonic() - start
+    if watcher:
+        watcher.join(timeout=grace)
+    stdout, stderr = ("".join(_read(pair[i]) for pair in files) for i in (0, 1))
+    for pair in files:
+        for f in pair:
+            f.close()
     return Run([" ".join(c) for c in cmds] if len(cmds) > 1 else cmds[0], returncode, stdout, stderr,
-               time.monotonic() - start, out, survivors)
+               seconds, out, survivors)
 
 
 def run_command(cmd: list[str], out: Path | None = None, env: dict[str, str] | None = None,

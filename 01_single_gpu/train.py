@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import tempfile
 import time
 from pathlib import Path
 
@@ -128,6 +129,12 @@ def positive(kind):
     return parse
 
 
+def ensure_writable(directory: Path) -> None:
+    """Create `directory` if needed and write a file there: mkdir alone succeeds on a read-only disk."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tempfile.TemporaryFile(dir=directory).close()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(prog=f"{STAGE}/train.py", description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=positive(int), default=20)
@@ -141,9 +148,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("argument --device: cuda asked but no GPU is visible; use --device cpu (or auto)")
     if args.out is not None:
         try:  # fail now, not after training
-            args.out.mkdir(parents=True, exist_ok=True)
+            ensure_writable(args.out)
         except OSError as e:
-            p.error(f"argument --out: cannot create {args.out} ({e.strerror}); choose a writable directory")
+            p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
     return args
 
 

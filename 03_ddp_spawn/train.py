@@ -16,6 +16,7 @@ import math
 import os
 import socket
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -158,6 +159,12 @@ def positive(kind):
     return parse
 
 
+def ensure_writable(directory: Path) -> None:
+    """Create `directory` if needed and write a file there: mkdir alone succeeds on a read-only disk."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tempfile.TemporaryFile(dir=directory).close()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(prog=f"{STAGE}/train.py", description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=positive(int), default=20)
@@ -178,11 +185,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     elif n_gpus and args.world_size > n_gpus:
         p.error(f"argument --world-size: {args.world_size} processes but {n_gpus} GPU(s) visible; "
                 f"use --world-size {n_gpus} or fewer (or --device cpu)")
+    if "MASTER_PORT" in os.environ:  # yours, not picked by main(): check it now, not in rank 0's traceback
+        port = os.environ["MASTER_PORT"]
+        if not (port.isdigit() and 0 < int(port) < 65536):
+            p.error(f"MASTER_PORT={port} is not a port number; unset it (a free port is picked) or use 1-65535")
+        if not port_is_free(int(port)):
+            p.error(f"MASTER_PORT={port} is in use by another process; unset it (a free port is picked) "
+                    f"or choose another")
     if args.out is not None:
         try:  # fail now, not after training
-            args.out.mkdir(parents=True, exist_ok=True)
+            ensure_writable(args.out)
         except OSError as e:
-            p.error(f"argument --out: cannot create {args.out} ({e.strerror}); choose a writable directory")
+            p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
     return args
 
 
@@ -240,11 +254,26 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         raise RuntimeError(f"replicas diverged (max |difference| {max_diff:.3g}): gradients were not synchronised")
 
 
+def explain_peer_failure(error: RuntimeError, timeout: float) -> str | None:
+    """One line for the two ways another rank's failure reaches this one; None for any other error."""
+    text = str(error).lower()
+    if "timed out" in text or "timeout" in text:
+        return (f"waited more than --timeout {timeout:g}s for another rank: it stalled, died or skipped a "
+                f"collective this rank called; raise --timeout only if a rank legitimately works alone that long")
+    if "connection closed by peer" in text or "connection reset by peer" in text:
+        return "another rank closed its connection (it died): its own error, or its launcher's, says why"
+    return None
+
+
 def main_worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     device = torch.device("cuda", rank) if pick_device(args.device).type == "cuda" else torch.device("cpu")
     ddp_setup(rank, world_size, device, args.timeout)
     try:
         train(rank, world_size, device, args)
+    except RuntimeError as e:  # gloo raises a peer's death or stall here, as a timeout or a closed connection
+        if (hint := explain_peer_failure(e, args.timeout)) is not None:
+            print(f"[{STAGE}] rank {rank}: {hint}", file=sys.stderr)
+        raise
     finally:
         # On success train() has returned and its DDP model is gone: destroying the group while a DDP
         # model still holds it can hang a gloo process at exit (pytorch/pytorch#75097).
@@ -255,6 +284,16 @@ def main_worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as rank 0's store does
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 def find_free_port() -> int:

@@ -16,6 +16,7 @@ import math
 import os
 import socket
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -157,6 +158,12 @@ def positive(kind):
     return parse
 
 
+def ensure_writable(directory: Path) -> None:
+    """Create `directory` if needed and write a file there: mkdir alone succeeds on a read-only disk."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tempfile.TemporaryFile(dir=directory).close()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(prog=f"{STAGE}/train.py", description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=positive(int), default=20)
@@ -177,9 +184,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"use --nproc_per_node={n_gpus} or fewer (or --device cpu)")
     if args.out is not None:
         try:  # fail now, not after training
-            args.out.mkdir(parents=True, exist_ok=True)
+            ensure_writable(args.out)
         except OSError as e:
-            p.error(f"argument --out: cannot create {args.out} ({e.strerror}); choose a writable directory")
+            p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
     return args
 
 
@@ -250,6 +257,17 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         raise RuntimeError(f"replicas diverged (max |difference| {max_diff:.3g}): gradients were not synchronised")
 
 
+def explain_peer_failure(error: RuntimeError, timeout: float) -> str | None:
+    """One line for the two ways another rank's failure reaches this one; None for any other error."""
+    text = str(error).lower()
+    if "timed out" in text or "timeout" in text:
+        return (f"waited more than --timeout {timeout:g}s for another rank: it stalled, died or skipped a "
+                f"collective this rank called; raise --timeout only if a rank legitimately works alone that long")
+    if "connection closed by peer" in text or "connection reset by peer" in text:
+        return "another rank closed its connection (it died): its own error, or its launcher's, says why"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     ddp = int(os.environ.get("RANK", -1)) != -1  # started by torchrun?
@@ -261,6 +279,10 @@ def main(argv: list[str] | None = None) -> None:
     ddp_setup(ddp, device, args.timeout)
     try:
         train(rank, world_size, device, args, gather_layout(node_rank, local_rank))
+    except RuntimeError as e:  # gloo raises a peer's death or stall here, as a timeout or a closed connection
+        if (hint := explain_peer_failure(e, args.timeout)) is not None:
+            print(f"[{STAGE}] rank {rank}: {hint}", file=sys.stderr)
+        raise
     finally:
         # On success train() has returned and its DDP model is gone: destroying the group while a DDP
         # model still holds it can hang a gloo process at exit (pytorch/pytorch#75097).

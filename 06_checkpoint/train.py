@@ -13,8 +13,10 @@ import argparse
 import json
 import math
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -134,7 +136,13 @@ class Trainer:
         # Write a temporary file in the same directory, then rename it over the old snapshot: the
         # rename is atomic, so a crash mid-write leaves the previous snapshot whole.
         tmp = self.snapshot_path.with_name(self.snapshot_path.name + ".tmp")
-        torch.save(snapshot, tmp)
+        try:
+            torch.save(snapshot, tmp)
+        except Exception as e:  # a full disk, say (torch reports it as "unexpected pos ..."): say so plainly
+            tmp.unlink(missing_ok=True)
+            free = shutil.disk_usage(tmp.parent).free
+            raise OSError(f"writing the snapshot to {tmp} failed ({e}; {free} bytes free on that disk); "
+                          f"{self.snapshot_path} still holds the previous snapshot") from e
         os.replace(tmp, self.snapshot_path)
 
     def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -222,6 +230,12 @@ def positive(kind):
     return parse
 
 
+def ensure_writable(directory: Path) -> None:
+    """Create `directory` if needed and write a file there: mkdir alone succeeds on a read-only disk."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tempfile.TemporaryFile(dir=directory).close()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(prog=f"{STAGE}/train.py", description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=positive(int), default=20)
@@ -244,14 +258,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"use --nproc_per_node={n_gpus} or fewer (or --device cpu)")
     if args.out is not None:
         try:  # fail now, not after training
-            args.out.mkdir(parents=True, exist_ok=True)
+            ensure_writable(args.out)
         except OSError as e:
-            p.error(f"argument --out: cannot create {args.out} ({e.strerror}); choose a writable directory")
+            p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
     if args.snapshot is not None:
         try:  # fail now, not at the first save
-            args.snapshot.parent.mkdir(parents=True, exist_ok=True)
+            ensure_writable(args.snapshot.parent)
         except OSError as e:
-            p.error(f"argument --snapshot: cannot create {args.snapshot.parent} ({e.strerror}); "
+            p.error(f"argument --snapshot: cannot write to {args.snapshot.parent} ({e.strerror}); "
                     f"choose a writable directory")
         if args.snapshot.is_dir():
             p.error(f"argument --snapshot: {args.snapshot} is a directory; give a file path")
@@ -349,6 +363,17 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         raise RuntimeError(f"replicas diverged (max |difference| {max_diff:.3g}): gradients were not synchronised")
 
 
+def explain_peer_failure(error: RuntimeError, timeout: float) -> str | None:
+    """One line for the two ways another rank's failure reaches this one; None for any other error."""
+    text = str(error).lower()
+    if "timed out" in text or "timeout" in text:
+        return (f"waited more than --timeout {timeout:g}s for another rank: it stalled, died or skipped a "
+                f"collective this rank called; raise --timeout only if a rank legitimately works alone that long")
+    if "connection closed by peer" in text or "connection reset by peer" in text:
+        return "another rank closed its connection (it died): its own error, or its launcher's, says why"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     ddp = int(os.environ.get("RANK", -1)) != -1  # started by torchrun?
@@ -366,6 +391,10 @@ def main(argv: list[str] | None = None) -> None:
     ddp_setup(ddp, device, args.timeout)
     try:
         train(rank, world_size, device, args, gather_layout(node_rank, local_rank), snapshot)
+    except RuntimeError as e:  # gloo raises a peer's death or stall here, as a timeout or a closed connection
+        if (hint := explain_peer_failure(e, args.timeout)) is not None:
+            print(f"[{STAGE}] rank {rank}: {hint}", file=sys.stderr)
+        raise
     finally:
         # On success train() has returned and its DDP model is gone: destroying the group while a DDP
         # model still holds it can hang a gloo process at exit (pytorch/pytorch#75097).

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -18,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tour import (  # noqa: E402
     ROOT,
     TORCHRUN,
+    Job,
     Run,
     Step,
     free_port,
@@ -30,24 +34,77 @@ from tour import (  # noqa: E402
 )
 
 STAGES = sorted(p.parent.name for p in ROOT.glob("[0-9][0-9]_*/train.py"))
-__all__ = ["ROOT", "STAGES", "TORCHRUN", "Run", "Step", "check", "free_port", "launch", "launch_commands",
-           "load_stage", "max_abs_diff", "mutate", "plan", "run_command", "run_job", "run_slurm_command",
-           "slurm_missing"]
+__all__ = ["ROOT", "STAGES", "TORCHRUN", "Fault", "Job", "Run", "Step", "check", "free_port", "launch",
+           "launch_commands", "load_stage", "max_abs_diff", "mutate", "plan", "run_command", "run_job",
+           "run_slurm_command", "slurm_missing", "workers"]
 
 
 def launch(step: Step, out: Path | None = None, script: Path | None = None, timeout: float = 120.0,
-           env: dict[str, str] | None = None) -> Run:
+           env: dict[str, str] | None = None, during: Callable[[Job], None] | None = None) -> Run:
     """Run `step` (or a modified copy of its script); fail the test if it outlives `timeout`."""
-    return launch_commands(step.commands(out, script), out, {**step.env, **(env or {})}, timeout)
+    return launch_commands(step.commands(out, script), out, {**step.env, **(env or {})}, timeout, during)
 
 
 def launch_commands(cmds: list[list[str]], out: Path | None = None, env: dict[str, str] | None = None,
-                    timeout: float = 120.0) -> Run:
+                    timeout: float = 120.0, during: Callable[[Job], None] | None = None) -> Run:
     """Run one command per node; fail the test if the job outlives `timeout` (it is killed, workers too)."""
-    run = run_job(cmds, out, env, timeout)
+    run = run_job(cmds, out, env, timeout, during=during)
     if run.returncode is None:
         pytest.fail(f"timed out after {timeout:.0f}s (job killed)\n{run.describe()}")
     return run
+
+
+def workers(job: Job) -> dict[int, int]:
+    """{rank: pid} of the job's training processes (not torchrun's agent, not multiprocessing's helpers).
+
+    torchrun's workers carry RANK in their environment. mp.spawn's do not: they are numbered in the
+    order they were started, which is the order of their pids.
+    """
+    found, spawned = {}, []
+    for pid in job.members():
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        rank = next((e.split(b"=", 1)[1] for e in env if e.startswith(b"RANK=")), None)
+        if b"torch.distributed.run" in cmd:
+            continue
+        if rank is not None:
+            found[int(rank)] = pid
+        elif any(b"spawn_main" in c for c in cmd):
+            spawned.append(pid)
+    return found or dict(enumerate(sorted(spawned)))
+
+
+class Fault:
+    """Send `signum` to the worker of `rank` once the job has printed `after`; remember when it was sent.
+
+    Passed to launch(during=...): it runs beside the job. Injected from outside, so the stages carry no test hooks.
+    """
+
+    def __init__(self, signum: int, rank: int = 1, after: str = "epoch 1/", limit: float = 120.0) -> None:
+        self.signum, self.rank, self.after, self.limit = signum, rank, after, limit
+        self.sent_at: float | None = None  # seconds after the job started
+        self.error: str | None = None
+
+    def __call__(self, job: Job) -> None:
+        while time.monotonic() < job.start + self.limit and not job.ended.is_set():
+            if self.after in job.output():
+                pid = workers(job).get(self.rank)
+                if pid is None:
+                    self.error = f"no worker of rank {self.rank} among {workers(job)}"
+                    return
+                os.kill(pid, self.signum)
+                self.sent_at = time.monotonic() - job.start
+                return
+            time.sleep(0.02)
+        self.error = f"the job never printed {self.after!r} while it ran"
+
+    def seconds_to_end(self, run: Run) -> float:
+        """From the fault to the end of the job (every process gone)."""
+        assert self.sent_at is not None, f"{self.error}\n{run.describe()}"
+        return run.seconds - self.sent_at
 
 
 def check(run: Run) -> Run:

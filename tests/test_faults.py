@@ -1,0 +1,342 @@
+"""The fault battery: every stage, the faults users meet, injected from outside the scripts.
+
+Each case states the fault, the exit status it must end with, a bound on the time from the fault
+to the end of the whole job, and a fragment of the message; every case also checks that no process
+of the job is left running. The faults are real: signals sent to a worker, a port another process
+holds, a node that never comes, a read-only or full disk, bad files and bad values. The stages
+carry no test hooks.
+
+The cases run concurrently, once per session: most of their time is spent waiting for a timeout.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import signal
+import socket
+import subprocess
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import CONFIGS
+from harness import ROOT, STAGES, TORCHRUN, Fault, Run, Step, check, free_port, launch, launch_commands, load_stage
+
+DDP_STAGES = [s for s in STAGES if s >= "03"]
+SNAPSHOT_STAGES = ["06_checkpoint", "07_model_parallel"]
+TIMEOUT = 5  # --timeout in the stall cases: how long the healthy ranks wait for the stalled one
+LAUNCHER_GRACE = 30  # mp.spawn and torchrun wait this long for a worker to obey SIGTERM before SIGKILL
+SLACK = 15  # scheduling on a busy 2-core machine
+START = 40  # a fault present at start: importing torch (3 s alone), several jobs at once
+
+
+@dataclass
+class Place:
+    """What the cases need on disk, made once."""
+    tmp: Path
+    a_file: Path  # a regular file: nothing can be created "under" it
+    read_only: Path | None  # a directory on a read-only mount (None: cannot be made here)
+    good_snapshot: bytes  # stage 06 after 1 epoch, batch 64, one process
+    payload_marker: Path  # the pickle payload would create this file
+    full_disk: Callable[[], Path | None]  # a fresh tiny disk holding the good snapshot and no room for another
+
+
+@dataclass
+class Outcome:
+    run: Run
+    seconds: float  # from the fault to the end of the job
+    facts: dict = field(default_factory=dict)  # what the message must mention, e.g. the port
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    stage: str
+    fault: str
+    status: int | None  # the exit status; None: any non-zero status
+    within: float  # seconds, from the fault to the end of the job
+    message: str  # must appear in the output; formatted with Outcome.facts
+    start: Callable[[Place], Outcome]
+    one_line: bool = False  # the script refuses in exactly one stderr line, before training
+    also: Callable[[Outcome, Place], None] | None = None  # further checks (the file is untouched, ...)
+    needs: str | None = None  # a Place attribute that must exist, e.g. "read_only"
+
+
+# --- how each kind of fault is started --------------------------------------------------------------------
+
+def with_place(args: tuple[str, ...], place: Place) -> tuple[str, ...]:
+    return tuple(a.format(file=place.a_file, ro=place.read_only, tmp=place.tmp) for a in args)
+
+
+def started_with(stage: str, *args: str, env: dict[str, str] | None = None) -> Callable[[Place], Outcome]:
+    """A fault present at start: a bad value, an unwritable path. Timed from the start."""
+    def go(place: Place) -> Outcome:
+        run = launch(Step(stage, "python", with_place(args, place)), timeout=90, env=env)
+        return Outcome(run, run.seconds)
+    return go
+
+
+def signalled(stage: str, signum: int, *args: str, step: Step | None = None) -> Callable[[Place], Outcome]:
+    """`signum` sent to rank 1 once the first epoch is done (the job is told to run far longer)."""
+    def go(place: Place) -> Outcome:
+        base = step or CONFIGS[stage[:2]]
+        fault = Fault(signum, rank=1)
+        out = place.tmp / f"{stage}-{signal.Signals(signum).name}"
+        run = launch(replace(base, args=(*base.args, "--epochs", "200", *args)), out, timeout=150, during=fault)
+        return Outcome(run, fault.seconds_to_end(run))
+    return go
+
+
+def port_taken(stage: str) -> Callable[[Place], Outcome]:
+    """Another process listens on the port the job is told to use."""
+    def go(place: Place) -> Outcome:
+        with socket.socket() as holder:
+            holder.bind(("", 0))
+            holder.listen()
+            port = holder.getsockname()[1]
+            if stage == "03_ddp_spawn":  # mp.spawn: the port comes from MASTER_PORT
+                run = launch(Step(stage, "python", ("--device", "cpu")), timeout=90, env={"MASTER_PORT": str(port)})
+            else:  # torchrun: --master_port
+                nodes = "--nnodes=2 --node_rank=0" if stage == "05_multinode" else "--nnodes=1 --nproc_per_node=2"
+                run = launch_commands([[*TORCHRUN, *nodes.split(), "--master_addr=127.0.0.1",
+                                        f"--master_port={port}", f"{stage}/train.py", "--device", "cpu"]], timeout=90)
+        return Outcome(run, run.seconds, {"port": port})
+    return go
+
+
+def lone_node(rendezvous: str) -> Callable[[Place], Outcome]:
+    """Node 0 of 2 started alone, with a 10 s rendezvous timeout: the other node never comes."""
+    def go(place: Place) -> Outcome:
+        port = free_port()
+        if rendezvous == "static":
+            how = ["--node_rank=0", "--master_addr=127.0.0.1", f"--master_port={port}", "--rdzv_conf=timeout=10"]
+        else:
+            how = ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=lonely",
+                   "--rdzv_conf=is_host=1,join_timeout=10"]
+        run = launch_commands([[*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", *how, "05_multinode/train.py",
+                                "--device", "cpu"]], timeout=90)
+        return Outcome(run, run.seconds)
+    return go
+
+
+def snapshot_file(stage: str, kind: str) -> Callable[[Place], Outcome]:
+    def go(place: Place) -> Outcome:
+        path = place.tmp / f"{stage}_{kind}.pt"
+        write_bad_snapshot(kind, path, place)
+        before = path.read_bytes()
+        run = launch(Step(stage, "python", ("--device", "cpu", "--epochs", "2", "--snapshot", str(path))), timeout=90)
+        return Outcome(run, run.seconds, {"path": path, "before": before})
+    return go
+
+
+def disk_fills_up(stage: str) -> Callable[[Place], Outcome]:
+    """Resume from the good snapshot (epoch 1) on a disk with no room for the next one."""
+    def go(place: Place) -> Outcome:
+        disk = place.full_disk()
+        path = disk / "s.pt"
+        run = launch(Step(stage, "python", ("--device", "cpu", "--epochs", "3", "--snapshot", str(path))), timeout=90)
+        return Outcome(run, run.seconds, {"path": path, "before": place.good_snapshot})
+    return go
+
+
+class Payload:
+    """Unpickling this would create a file: proof that the code ran."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+def write_bad_snapshot(kind: str, path: Path, place: Place) -> None:
+    good = place.good_snapshot
+    if kind == "truncated":
+        path.write_bytes(good[: len(good) // 2])
+    elif kind == "not_torch":
+        path.write_bytes(b"this is not a snapshot\n")
+    elif kind == "foreign":  # a torch file, but a plain state_dict (stage 01's model.pt), not a snapshot
+        torch.save(load_stage("01_single_gpu").Net().state_dict(), path)
+    elif kind == "payload":
+        torch.save({"model": Payload(str(place.payload_marker))}, path)
+    else:
+        path.write_bytes(good)
+        snapshot = torch.load(path, weights_only=True)
+        if kind == "other_model":
+            snapshot["model"] = {"layer.weight": torch.zeros(3, 3), "layer.bias": torch.zeros(3)}
+        else:  # other_seed
+            snapshot["seed"] = 7
+        torch.save(snapshot, path)
+
+
+def left_alone(outcome: Outcome, place: Place) -> None:
+    path = outcome.facts["path"]
+    assert path.read_bytes() == outcome.facts["before"], f"{path} was changed"
+    assert not place.payload_marker.exists(), "the pickle payload ran"
+    assert not list(path.parent.glob(path.name + ".tmp")), "a half-written snapshot was left behind"
+
+
+# --- the cases ------------------------------------------------------------------------------------------------
+
+def bad_values(stage: str) -> dict[tuple[str, ...], str]:
+    """{arguments: the flag the message must name} for every flag the stage has."""
+    table = {
+        ("--epochs", "-1"): "--epochs", ("--batch-size", "0"): "--batch-size", ("--lr", "nan"): "--lr",
+        ("--seed", "x"): "--seed", ("--device", "tpu"): "--device",
+        ("--out", "{file}/sub"): "--out", ("--out", "{ro}/run"): "--out",
+    }
+    if not torch.cuda.is_available():
+        table[("--device", "cuda")] = "--device"
+    if stage >= "03":
+        table[("--timeout", "0")] = "--timeout"
+    if stage == "03_ddp_spawn":
+        table[("--world-size", "0")] = "--world-size"
+    if stage in SNAPSHOT_STAGES:
+        table |= {("--save-every", "0"): "--save-every", ("--snapshot", "{file}/s.pt"): "--snapshot",
+                  ("--snapshot", "{ro}/s.pt"): "--snapshot", ("--snapshot", "{tmp}"): "--snapshot"}
+    return table
+
+
+def cases() -> list[Case]:
+    out = []
+    for stage in DDP_STAGES:  # slow first: they wait for timeouts, and run beside the rest
+        stall = replace(CONFIGS["05"], torchrun_args=("--rdzv_backend=c10d",)) if stage == "05_multinode" else None
+        out.append(Case(f"{stage[:2]}-stalled-rank", stage, "SIGSTOP to rank 1 after epoch 1", None,
+                        TIMEOUT + LAUNCHER_GRACE + SLACK, f"--timeout {TIMEOUT}s",
+                        signalled(stage, signal.SIGSTOP, "--timeout", str(TIMEOUT), step=stall)))
+    out += [Case("05-node-never-joins-static", "05_multinode", "node 0 of 2 started alone (static)", None,
+                 10 + SLACK, "1/2 clients joined", lone_node("static")),
+            Case("05-node-never-joins-c10d", "05_multinode", "node 0 of 2 started alone (c10d)", None,
+                 10 + SLACK, "RendezvousTimeoutError", lone_node("c10d"))]
+    for stage in DDP_STAGES:
+        out.append(Case(f"{stage[:2]}-killed-rank", stage, "SIGKILL to rank 1 after epoch 1", None, 10,
+                        "SIGKILL", signalled(stage, signal.SIGKILL)))
+    out += [Case("03-port-taken", "03_ddp_spawn", "MASTER_PORT held by another process", 2, START,
+                 "MASTER_PORT={port} is in use", port_taken("03_ddp_spawn"), one_line=True),
+            Case("04-port-taken", "04_ddp_torchrun", "--master_port held by another process", None, START,
+                 "port: {port}, useIpv6: false, code: -98, name: EADDRINUSE", port_taken("04_ddp_torchrun")),
+            Case("05-port-taken", "05_multinode", "--master_port held by another process", None, START,
+                 "port: {port}, useIpv6: false, code: -98, name: EADDRINUSE", port_taken("05_multinode"))]
+    for stage in SNAPSHOT_STAGES:
+        out.append(Case(f"{stage[:2]}-disk-full", stage, "the disk fills up before a snapshot is saved", None,
+                        START, "still holds the previous snapshot", disk_fills_up(stage), also=left_alone,
+                        needs="full_disk"))
+        for kind in ["truncated", "not_torch", "foreign", "payload", "other_model", "other_seed"]:
+            out.append(Case(f"{stage[:2]}-snapshot-{kind}", stage, f"--snapshot is {kind.replace('_', ' ')}", 2,
+                            START, "argument --snapshot: ", snapshot_file(stage, kind), one_line=True,
+                            also=left_alone))
+    for stage in STAGES:
+        for args, flag in bad_values(stage).items():
+            out.append(Case(f"{stage[:2]}{' '.join(args)}", stage, f"bad value {' '.join(args)}", 2, START,
+                            f"argument {flag}: ", started_with(stage, *args), one_line=True,
+                            needs="read_only" if "{ro}" in "".join(args) else None))
+        out.append(Case(f"{stage[:2]}-typo", stage, "a misspelt flag (--batchsize)", 2, START,
+                        "unrecognized arguments: --batchsize 32", started_with(stage, "--batchsize", "32"),
+                        one_line=True))
+    return out
+
+
+CASES = cases()
+
+
+# --- the place, and running every case once ------------------------------------------------------------------
+
+@contextlib.contextmanager
+def mounted(path: Path, options: str) -> Iterator[bool]:
+    """A tmpfs at `path` (root only; False where it cannot be mounted)."""
+    path.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+    ok = mount.returncode == 0
+    try:
+        yield ok
+    finally:
+        if ok:
+            subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture(scope="module")
+def place(tmp_path_factory) -> Iterator[Place]:
+    tmp = tmp_path_factory.mktemp("faults")
+    a_file = tmp / "a_file"
+    a_file.write_text("not a directory")
+    good = tmp / "good.pt"
+    check(launch(Step("06_checkpoint", "python", ("--device", "cpu", "--epochs", "1", "--snapshot", str(good)))))
+    good_snapshot = good.read_bytes()
+    with contextlib.ExitStack() as stack:
+        read_only = tmp / "read_only"
+        if not stack.enter_context(mounted(read_only, "ro,size=1m")):
+            read_only.chmod(0o555)  # not root: permissions make it read-only; root ignores them
+            with contextlib.suppress(OSError), open(read_only / "probe", "w"):
+                read_only = None  # writable after all: those cases are skipped
+
+        disks = iter(range(100))
+
+        def full_disk() -> Path | None:
+            disk = tmp / f"disk{next(disks)}"
+            # Room for the good snapshot plus half of another: the next save cannot fit.
+            if not stack.enter_context(mounted(disk, f"size={len(good_snapshot) * 3 // 2}")):
+                return None
+            (disk / "s.pt").write_bytes(good_snapshot)
+            return disk
+
+        probe = full_disk()
+        yield Place(tmp, a_file, read_only, good_snapshot, tmp / "payload_ran", full_disk if probe else None)
+
+
+@pytest.fixture(scope="module")
+def outcomes(place, request) -> dict[str, Outcome | BaseException]:
+    """Every selected case's outcome, four cases at a time (the slow ones mostly wait)."""
+    selected = [item.callspec.params["case"] for item in request.session.items
+                if item.originalname == "test_fault" and item.module is request.module]
+
+    def one(case: Case) -> Outcome | BaseException:
+        if case.needs and getattr(place, case.needs) is None:
+            return pytest.skip.Exception(f"{case.needs} cannot be made here (needs root to mount a tmpfs)")
+        try:
+            return case.start(place)
+        except BaseException as e:  # pytest.fail from the launcher (a hang), or a bug: reported by the case's test
+            return e
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return dict(zip((c.id for c in selected), pool.map(one, selected), strict=True))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_fault(outcomes, place, case):
+    outcome = outcomes[case.id]
+    if isinstance(outcome, BaseException):
+        raise outcome
+    run = outcome.run
+    where = f"{case.fault}\n{run.describe()}"
+    assert run.returncode is not None, f"hung: {where}"
+    if case.status is None:
+        assert run.returncode != 0, f"exit 0 despite the fault: {where}"
+    else:
+        assert run.returncode == case.status, where
+    assert outcome.seconds <= case.within, f"took {outcome.seconds:.1f}s > {case.within}s after the fault: {where}"
+    assert case.message.format(**outcome.facts) in run.stdout + run.stderr, where
+    assert not run.survivors, f"processes left running: {run.survivors}: {where}"
+    if case.one_line:
+        lines = run.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"{case.stage}/train.py: error: "), where
+        assert "epoch" not in run.stdout, f"training started before the refusal: {where}"
+    if case.also:
+        case.also(outcome, place)
+
+
+def test_bad_value_under_torchrun_fails_fast_with_the_line():
+    run = launch(Step("04_ddp_torchrun", "torchrun", ("--batch-size", "0"), nproc=2), timeout=60)
+    assert run.returncode != 0 and not run.survivors, run.describe()
+    assert "argument --batch-size: must be a positive int, got 0" in run.stderr
+
+
+def test_every_flag_of_every_stage_has_a_bad_value_case():
+    """The battery grows with the stages: a new flag without a bad-value case fails here."""
+    for stage in STAGES:
+        declared = set(re.findall(r'add_argument\("(--[a-z-]+)"', (ROOT / stage / "train.py").read_text()))
+        missing = declared - set(bad_values(stage).values())
+        assert declared and not missing, f"{stage}: no bad-value case for {sorted(missing)}"
