@@ -27,7 +27,9 @@ from harness import ROOT, STAGES
 NB_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(p.stem for p in NB_DIR.glob("*.ipynb"))
 HELPERS = {"nbtools.py"}  # plain modules the notebooks import: no .ipynb twin
-CELL_TIMEOUT = 180  # s; every subprocess a notebook starts has its own, shorter, limit
+# s: a last resort. Every run a notebook starts has its own limit (nbtools.run: 120 s), which kills the
+# whole job; a cell makes at most 4 runs, so those limits come first and leave no orphaned workers.
+CELL_TIMEOUT = 600
 TEXT_FORMAT = "py:percent"
 
 
@@ -175,11 +177,11 @@ def test_a_failing_cell_is_named(tmp_path, jupyter_env):
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs_top_to_bottom(name, jupyter_env):
+def test_notebook_runs_top_to_bottom(name, jupyter_env, tmp_path):
     """Headless, on a real kernel, in notebooks/ as a reader would; its runs go to a temporary directory."""
     start = time.monotonic()
     try:
-        cells, failure = execute(NB_DIR / f"{name}.ipynb", jupyter_env), None
+        cells, failure = execute(NB_DIR / f"{name}.ipynb", {**jupyter_env, "NOTEBOOK_RUNS": str(tmp_path)}), None
     except NotebookFailed as e:
         failure = str(e)
     if failure:
