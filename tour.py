@@ -181,7 +181,8 @@ class Job:
 
 
 def run_job(cmds: list[list[str]], out: Path | None = None, env: dict[str, str] | None = None,
-            timeout: float = 180.0, grace: float = 5.0, during: Callable[[Job], None] | None = None) -> Run:
+            timeout: float = 180.0, grace: float = 5.0, during: Callable[[Job], None] | None = None,
+            cwd: Path = ROOT) -> Run:
     """Run one command per node under one deadline; `during(job)`, if given, runs alongside in a thread.
 
     At the deadline every process of the job is killed (returncode None). Whatever outlives the
@@ -191,7 +192,7 @@ def run_job(cmds: list[list[str]], out: Path | None = None, env: dict[str, str] 
     tag = f"{os.getpid()}-{time.monotonic_ns()}"
     # Files, not pipes: a pipe would need reading while the job runs, and `during` reads the output too.
     files = [(tempfile.TemporaryFile(), tempfile.TemporaryFile()) for _ in cmds]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=clean_env({**(env or {}), JOB_TAG: tag}), stdout=o, stderr=e,
+    procs = [subprocess.Popen(cmd, cwd=cwd, env=clean_env({**(env or {}), JOB_TAG: tag}), stdout=o, stderr=e,
                               start_new_session=True) for cmd, (o, e) in zip(cmds, files, strict=True)]
     job = Job(tag, start, files)
     watcher = threading.Thread(target=during, args=(job,), daemon=True) if during else None

@@ -1,0 +1,127 @@
+"""Every command the READMEs show runs as written, so the docs cannot drift from the code.
+
+Code blocks in README files are tagged: ```bash for commands, ```text for output. A bash block
+runs as one script from the root of a fresh copy of the repository (its `runs/` fill up there,
+not here), with this interpreter first on PATH, under a time limit. A comment line just before a
+block can say how:
+
+    <!-- not-run: needs GPUs -->        skipped, with one of the reasons in NOT_RUN
+    <!-- run: together -->              each command at once, as in two terminals, then wait for all
+    <!-- run: as root -->               skipped unless root (network namespaces)
+    <!-- run: with slurm -->            skipped where Slurm cannot run (see tour.slurm_missing)
+    <!-- expect: <text> -->             the output must contain <text>
+
+Several may be combined with ";". The one change made to a command: ports written as 29xxx become
+free ports (the same one for the same number within a file), since the tests never use a fixed port.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from harness import ROOT, free_port, run_job, slurm_missing
+
+NOT_RUN = {  # the only reasons a command may be left out
+    "needs GPUs", "needs several hosts",
+    "is the test command itself",  # .ci/run runs it
+    "starts an interactive server",  # jupyter lab: never exits on its own
+}
+DOCS = sorted(p for p in ROOT.rglob("README.md") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts))
+FENCE = re.compile(r"(?:<!-- (?P<marker>[^>]*?) -->\n)?```(?P<lang>[^\n]*)\n(?P<body>.*?)```", re.S)
+
+
+@dataclass(frozen=True)
+class Block:
+    doc: Path
+    line: int
+    lang: str
+    body: str
+    marker: dict[str, str]
+
+    @property
+    def id(self) -> str:
+        return f"{self.doc.relative_to(ROOT)}:{self.line}"
+
+    def commands(self) -> list[str]:
+        """The block's commands: continuation lines joined, comment-only and blank lines dropped."""
+        joined = re.sub(r"\\\n\s*", " ", self.body)
+        return [line for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def blocks() -> list[Block]:
+    found = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in FENCE.finditer(text):
+            marker = {}
+            for item in (m.group("marker") or "").split(";"):
+                key, _, value = item.partition(":")
+                if key.strip():
+                    marker[key.strip()] = value.strip()
+            if "test-command" in marker:  # README.md's test command: .ci/run runs it
+                marker["not-run"] = "is the test command itself"
+            line = text[:m.start("lang")].count("\n") + 1
+            found.append(Block(doc, line, m.group("lang").strip(), m.group("body"), marker))
+    return found
+
+
+BLOCKS = blocks()
+COMMANDS = [b for b in BLOCKS if b.lang == "bash"]
+
+
+def test_every_code_block_says_whether_it_is_commands_or_output():
+    untagged = [b.id for b in BLOCKS if b.lang not in ("bash", "text")]
+    assert not untagged, f"tag these blocks ```bash (commands, run by this test) or ```text (output): {untagged}"
+    assert len(COMMANDS) >= 15, "the READMEs lost their commands?"
+
+
+def test_only_allowed_reasons_leave_a_command_out():
+    reasons = {b.id: b.marker["not-run"] for b in COMMANDS if "not-run" in b.marker}
+    assert set(reasons.values()) <= NOT_RUN, reasons
+
+
+@pytest.fixture(scope="module")
+def repo_copy(tmp_path_factory) -> Path:
+    """A fresh copy of the repository: the commands write their runs/ (and notebooks) there."""
+    copy = tmp_path_factory.mktemp("readme") / "repo"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "runs", "__pycache__", ".*_cache",
+                                                               ".ipynb_checkpoints", "slurm-*.out"))
+    return copy
+
+
+PORTS: dict[tuple[Path, str], str] = {}
+
+
+def with_free_ports(block: Block, text: str) -> str:
+    def port(m: re.Match) -> str:
+        return PORTS.setdefault((block.doc, m.group(0)), str(free_port()))
+    return re.sub(r"\b29\d{3}\b", port, text)
+
+
+@pytest.mark.parametrize("block", COMMANDS, ids=[b.id for b in COMMANDS])
+def test_readme_command_runs_as_written(block, repo_copy):
+    if "not-run" in block.marker:
+        pytest.skip(block.marker["not-run"])
+    run_as = block.marker.get("run", "")
+    if "as root" in run_as and os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces)")
+    if "with slurm" in run_as and (why := slurm_missing()):
+        pytest.skip(why)
+    bash = ["bash", "-euo", "pipefail", "-c"]
+    if "together" in run_as:  # as in several terminals: all at once
+        cmds = [[*bash, with_free_ports(block, c)] for c in block.commands()]
+    else:
+        cmds = [[*bash, with_free_ports(block, block.body)]]
+    env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # `python`, `torchrun`: ours
+    run = run_job(cmds, env=env, timeout=420, cwd=repo_copy)
+    where = f"{block.id}\n{run.describe()}"
+    assert run.returncode == 0, where
+    assert not run.survivors, f"processes left running: {where}"
+    if "expect" in block.marker:
+        assert block.marker["expect"] in run.stdout, where
