@@ -187,7 +187,7 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
     table = {
         ("--epochs", "-1"): "--epochs", ("--batch-size", "0"): "--batch-size", ("--lr", "nan"): "--lr",
         ("--seed", "x"): "--seed", ("--device", "tpu"): "--device",
-        ("--out", "{file}/sub"): "--out", ("--out", "{ro}/run"): "--out",
+        ("--out", "{file}/sub"): "--out", ("--out", "{ro}"): "--out",
     }
     if not torch.cuda.is_available():
         table[("--device", "cuda")] = "--device"
