@@ -1,14 +1,14 @@
 """DDP scaling on the CPU: samples/s with 1 and W processes, and what buckets and no_sync change.
 
-    python benchmarks/ddp_scaling.py                         # the full set, ~1.5 min on 2 cores
-    python benchmarks/ddp_scaling.py --batches 64 --steps 5  # quick look
+    python benchmarks/ddp_scaling.py                             # the full set, ~1.5 min on 2 cores
+    python benchmarks/ddp_scaling.py --models mlp --batches 512  # a quicker look
 
 Every process runs with ONE intra-op thread (torch.set_num_threads(1)), so W processes use W cores
-and W=1 uses one: the comparison is one core against W cores, not 2 threads against 2 processes.
+and 1 process uses one: the comparison is one core against W cores, not 2 threads against 2 processes.
 Each rank trains on its own random batch of the same size b (the per-rank batch), so W ranks process
 W*b samples per step. For each model and b it measures
 
-    single       1 process, plain model (no DDP): the baseline throughput(1)
+    single       1 process (rank 0; the other ranks wait, idle), plain model: the baseline throughput(1)
     independent  W processes, plain model, no communication at all: what the machine gives W copies
                  of the work when nobody talks (shared caches, memory bandwidth, clock speed)
     ddp          W processes, DistributedDataParallel (gloo): the real thing
@@ -16,6 +16,10 @@ W*b samples per step. For each model and b it measures
 and prints efficiency = throughput(W) / (W * throughput(1)): 1.0 is perfect scaling.
 Then, for the MLP at one batch size: DDP with bucket_cap_mb 1, 25 (the default) and 100, and
 gradient accumulation over several micro-batches with and without no_sync().
+
+All configurations live in one job of W processes and take turns, a block of steps each, round after
+round; each one's time is the median of its blocks. So a machine that slows down for a while (this one
+is shared) slows every configuration alike instead of spoiling one of them.
 
 Models: "stage", the stages' Net (8 -> 64 -> 64 -> 4, 5 K parameters, tiny: all overhead), and "mlp", a
 compute-bound MLP (--mlp-width, 0.8 M parameters by default). Writes DIR/ddp_scaling.csv and .png.
@@ -28,6 +32,7 @@ import csv
 import math
 import os
 import socket
+import statistics
 import sys
 import time
 from datetime import timedelta
@@ -66,110 +71,120 @@ def make_model(name: str, width: int) -> tuple[nn.Module, int, int]:
     return nn.Sequential(*layers), width, 10
 
 
-def measure(cfg: dict, args: argparse.Namespace, rank: int, distributed: bool) -> dict:
-    """Train cfg["model"] for some steps; return the measured row (timed from a common start)."""
-    torch.manual_seed(args.seed)
-    model, features, classes = make_model(cfg["model"], args.mlp_width)
-    params = sum(p.numel() for p in model.parameters())
-    if cfg["mode"] == "ddp":  # sync point: broadcasts rank 0's weights
-        model = DDP(model, bucket_cap_mb=cfg["bucket_cap_mb"])
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    g = torch.Generator().manual_seed(args.seed + rank)
-    b, k = cfg["batch"], cfg["accumulate"]
-    # A few batches made in advance and cycled: the timing is the training step, not data generation.
-    data = [(torch.randn(b, features, generator=g), torch.randint(0, classes, (b,), generator=g)) for _ in range(4)]
+class Runner:
+    """One configuration, set up once (model, optimizer, data), then asked for a few steps at a time."""
 
-    def step(i: int) -> None:
-        for j in range(k):  # k micro-batches, one optimizer step
-            x, y = data[(i * k + j) % len(data)]
-            # no_sync: skip the gradient all-reduce for all but the last micro-batch; gradients
-            # accumulate locally and the last backward all-reduces the sum once.
-            skip = cfg["no_sync"] and j < k - 1
-            with model.no_sync() if skip else contextlib.nullcontext():
-                (F.cross_entropy(model(x), y) / k).backward()  # ddp: all-reduces buckets during backward
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def __init__(self, cfg: dict, args: argparse.Namespace, rank: int) -> None:
+        self.cfg = cfg
+        self.active = cfg["mode"] != "single" or rank == 0  # "single": rank 0 trains, the others wait
+        torch.manual_seed(args.seed)
+        model, features, classes = make_model(cfg["model"], args.mlp_width)
+        self.params = sum(p.numel() for p in model.parameters())
+        if cfg["mode"] == "ddp":  # sync point (every rank): broadcasts rank 0's weights
+            model = DDP(model, bucket_cap_mb=cfg["bucket_cap_mb"])
+        self.model = model
+        self.opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        g = torch.Generator().manual_seed(args.seed + rank)
+        b = cfg["batch"] if self.active else 0
+        # A few batches made in advance and cycled: we time the training step, not making data.
+        self.data = [(torch.randn(b, features, generator=g), torch.randint(0, classes, (b,), generator=g))
+                     for _ in range(4)]
+        self.i = 0
 
-    def slowest(seconds: float) -> float:  # the step is done when the last rank is done
-        t = torch.tensor([seconds], dtype=torch.float64)
-        if distributed:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
+    def steps(self, n: int) -> None:
+        if not self.active:
+            return
+        k = self.cfg["accumulate"]
+        for _ in range(n):
+            for j in range(k):  # k micro-batches, then one optimizer step
+                x, y = self.data[self.i % len(self.data)]
+                self.i += 1
+                # no_sync: no gradient all-reduce for the first k-1 micro-batches; the gradients add up
+                # locally and the last backward all-reduces their sum, once.
+                skip = self.cfg["no_sync"] and j < k - 1
+                with self.model.no_sync() if skip else contextlib.nullcontext():
+                    (F.cross_entropy(self.model(x), y) / k).backward()  # ddp: all-reduces buckets in backward
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
 
-    for i in range(args.warmup):
-        step(i)
+
+def timed(runner: Runner, n: int) -> float:
+    """Seconds for n steps, from a common start to the end of the slowest rank."""
+    dist.barrier()  # every rank starts the clock together (an idle rank waits here, using no CPU)
     start = time.perf_counter()
-    step(args.warmup)
-    one = slowest(time.perf_counter() - start)
-    # Every rank must take the same number of steps (each ddp step is a collective): derived from the
-    # slowest rank's time, which all ranks now share.
-    steps = args.steps if args.steps else max(5, min(200, int(args.budget / one)))
-    if distributed:
-        dist.barrier()  # all ranks start the clock together
-    start = time.perf_counter()
-    for i in range(steps):
-        step(i)
-    seconds = slowest(time.perf_counter() - start)
-    world = dist.get_world_size() if distributed else 1
-    samples = steps * k * b * world
-    return {**{key: cfg[key] for key in ("experiment", "model", "mode", "accumulate", "no_sync")},
-            "bucket_cap_mb": cfg["bucket_cap_mb"] if cfg["mode"] == "ddp" else "", "params": params,
-            "world_size": world, "per_rank_batch": b, "global_batch": b * world, "steps": steps,
-            "step_ms": seconds / steps * 1e3, "samples_per_s": samples / seconds}
+    runner.steps(n)
+    t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def worker(rank: int, world: int, configs: list[dict], args: argparse.Namespace, results: mp.SimpleQueue) -> None:
     torch.set_num_threads(1)  # one core per process: see the module docstring
-    distributed = world > 1
-    if distributed:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=args.timeout))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=args.timeout))
     try:
-        rows = []
-        for i, cfg in enumerate(configs):
-            row = measure(cfg, args, rank, distributed)
-            rows.append(row)
+        runners, per_block = [], []
+        for i, cfg in enumerate(configs):  # set up, warm up, and size the blocks of steps
+            runner = Runner(cfg, args, rank)
+            runner.steps(args.warmup)
+            one = timed(runner, 1)  # the same on every rank (the slowest's), so all agree on the block size
+            n = args.steps or max(1, round(args.budget / args.rounds / one))
+            runners.append(runner)
+            per_block.append(n)
             if rank == 0:
-                print(f"[{world}p {i + 1}/{len(configs)}] {label(row)}: {row['samples_per_s']:,.0f} samples/s "
-                      f"({row['step_ms']:.2f} ms/step, {row['steps']} steps)", flush=True)
+                print(f"[{i + 1}/{len(configs)}] {label(cfg)}: {one * 1e3:.1f} ms/step, {args.rounds} blocks of "
+                      f"{n} step{'s' if n > 1 else ''}", flush=True)
+        # The configurations take turns, block after block: if the machine gets slower or faster meanwhile
+        # (other jobs, clock speed), every configuration sees it alike, and the ratios stay fair.
+        blocks: list[list[float]] = [[] for _ in runners]
+        for r in range(args.rounds):
+            for runner, n, times in zip(runners, per_block, blocks, strict=True):
+                times.append(timed(runner, n))
+            if rank == 0:
+                print(f"round {r + 1}/{args.rounds} done", flush=True)
+        rows = []
+        for runner, n, times in zip(runners, per_block, blocks, strict=True):
+            cfg, procs = runner.cfg, 1 if runner.cfg["mode"] == "single" else world
+            seconds = statistics.median(times)  # of the blocks: a block hit by a hiccup does not count
+            rows.append({**{key: cfg[key] for key in ("experiment", "model", "mode", "accumulate", "no_sync")},
+                         "bucket_cap_mb": cfg["bucket_cap_mb"] if cfg["mode"] == "ddp" else "",
+                         "params": runner.params, "world_size": procs, "per_rank_batch": cfg["batch"],
+                         "global_batch": cfg["batch"] * procs, "steps": n * args.rounds,
+                         "step_ms": seconds / n * 1e3,
+                         "samples_per_s": n * cfg["accumulate"] * cfg["batch"] * procs / seconds})
         if rank == 0:
             results.put(rows)
     finally:
-        if distributed:
-            dist.destroy_process_group()
+        dist.destroy_process_group()
     # Leave without interpreter teardown, which can abort gloo's threads (see 03_ddp_spawn/README.md).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
-def label(row: dict) -> str:
-    extra = ""
-    if row["mode"] == "ddp":
-        extra = f", bucket {row['bucket_cap_mb']} MB"
-    if row["accumulate"] > 1:
-        extra += f", {row['accumulate']} micro-batches" + (" with no_sync" if row["no_sync"] else " all synced")
-    return f"{row['experiment']} {row['model']} {row['mode']} b={row['per_rank_batch']}{extra}"
+def label(cfg: dict) -> str:
+    extra = f", bucket {cfg['bucket_cap_mb']} MB" if cfg["mode"] == "ddp" else ""
+    if cfg["accumulate"] > 1:
+        extra += f", {cfg['accumulate']} micro-batches" + (" with no_sync" if cfg["no_sync"] else " all synced")
+    return f"{cfg['experiment']} {cfg['model']} {cfg['mode']} b={cfg['batch']}{extra}"
 
 
-def plan(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
-    """Configurations for the 1-process job and for the W-process job."""
+def plan(args: argparse.Namespace) -> list[dict]:
+    """Every configuration; "single" ones run on rank 0 alone while the other ranks wait."""
     base = {"bucket_cap_mb": 25, "accumulate": 1, "no_sync": False}
-    single, multi = [], []
+    configs = []
     for model in args.models:
         for b in args.batches:
-            single.append({**base, "experiment": "scaling", "model": model, "batch": b, "mode": "single"})
-            multi.append({**base, "experiment": "scaling", "model": model, "batch": b, "mode": "independent"})
-            multi.append({**base, "experiment": "scaling", "model": model, "batch": b, "mode": "ddp"})
+            for mode in ("single", "independent", "ddp"):
+                configs.append({**base, "experiment": "scaling", "model": model, "batch": b, "mode": mode})
     b = args.sweep_batch
-    single.append({**base, "experiment": "buckets", "model": "mlp", "batch": b, "mode": "single"})
+    configs.append({**base, "experiment": "buckets", "model": "mlp", "batch": b, "mode": "single"})
     for cap in args.bucket_caps:
-        multi.append({**base, "experiment": "buckets", "model": "mlp", "batch": b, "mode": "ddp", "bucket_cap_mb": cap})
+        configs.append({**base, "experiment": "buckets", "model": "mlp", "batch": b, "mode": "ddp",
+                        "bucket_cap_mb": cap})
     acc = {**base, "experiment": "no_sync", "model": "mlp", "batch": b, "accumulate": args.accumulate}
-    single.append({**acc, "mode": "single"})
-    multi.append({**acc, "mode": "ddp"})
-    multi.append({**acc, "mode": "ddp", "no_sync": True})
-    return single, multi
+    configs += [{**acc, "mode": "single"}, {**acc, "mode": "ddp"}, {**acc, "mode": "ddp", "no_sync": True}]
+    return configs
 
 
 def key(row: dict) -> tuple:
@@ -269,14 +284,15 @@ def free_port() -> int:
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="benchmarks/ddp_scaling.py", description=__doc__.splitlines()[0])
     p.add_argument("--models", type=list_of(str, ("stage", "mlp")), default=["stage", "mlp"])
-    p.add_argument("--batches", type=list_of(int), default=[32, 128, 512, 2048], help="per-rank batch sizes")
+    p.add_argument("--batches", type=list_of(int), default=[32, 128, 512, 2048, 4096], help="per-rank batch sizes")
     p.add_argument("--world-size", type=positive(int), default=2, help="processes of the distributed runs")
     p.add_argument("--mlp-width", type=positive(int), default=512, help="width of the MLP's layers (512: 0.8 M params)")
     p.add_argument("--sweep-batch", type=positive(int), default=64, help="per-rank batch of the bucket/no_sync runs")
     p.add_argument("--bucket-caps", type=list_of(int), default=[1, 25, 100], help="bucket_cap_mb values")
     p.add_argument("--accumulate", type=positive(int), default=4, help="micro-batches per step in the no_sync run")
-    p.add_argument("--steps", type=int, default=0, help="timed steps per run (default 0: fit --budget)")
-    p.add_argument("--budget", type=positive(float), default=1.5, help="seconds of timed steps per run")
+    p.add_argument("--steps", type=int, default=0, help="steps per block (default 0: fit --budget)")
+    p.add_argument("--rounds", type=positive(int), default=5, help="timed blocks per configuration (median)")
+    p.add_argument("--budget", type=positive(float), default=1.5, help="seconds of timed steps per configuration")
     p.add_argument("--warmup", type=positive(int), default=3, help="untimed steps first")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs/ddp_scaling"), help="where to write the CSV and PNG")
@@ -296,8 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     over = " (oversubscribed: more processes than cores)" if args.world_size > cores else ""
     print(f"DDP scaling: W = 1 and {args.world_size}{over} on {cores} CPU cores, gloo, ONE intra-op thread per "
           f"process (torch.set_num_threads(1)), same per-rank batch; torch {torch.__version__}", flush=True)
-    single, multi = plan(args)
-    rows = run(1, single, args) + run(args.world_size, multi, args)
+    rows = run(args.world_size, plan(args), args)
     # The baseline of every row: 1 process, same experiment, model, per-rank batch and number of micro-batches.
     base = {key(r): r["samples_per_s"] for r in rows if r["mode"] == "single"}
     for r in rows:

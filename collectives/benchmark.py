@@ -40,7 +40,7 @@ from allreduce import PIECE_BYTES, ps_all_reduce, ring_all_reduce, ring_all_redu
 
 ALGORITHMS = ("all_reduce", "ring", "ps", "ring_simple")
 COLUMNS = ["world_size", "oversubscribed", "algorithm", "bytes", "repeats", "median_ms", "algbw_GBps",
-           "busbw_GBps", "copy_GBps", "time_vs_all_reduce"]
+           "busbw_GBps", "copy_GBps", "time_vs_all_reduce", "busiest_rank_sent_bytes", "rank0_sent_bytes"]
 
 
 def algorithm(name: str, piece_bytes: int):
@@ -48,26 +48,55 @@ def algorithm(name: str, piece_bytes: int):
             "ps": ps_all_reduce, "ring_simple": ring_all_reduce_simple}[name]
 
 
-def time_call(fn, reset, repeats: int, warmup: int, budget: float, max_over_ranks: bool) -> tuple[float, int]:
-    """Median seconds of fn() over repeats, after warm-up calls; fewer repeats if each call is slow."""
-    times: list[float] = []
-    planned = warmup + repeats
-    i = 0
+def time_calls(calls: dict, reset, repeats: int, warmup: int, budget: float,
+               max_over_ranks: bool) -> dict[str, tuple[float, int]]:
+    """{name: (median seconds, repeats)} for each call in `calls`, after warm-up rounds.
+
+    The calls take turns (round after round, each call once per round), so a machine that gets
+    slower or faster during the measurement (other work, clock changes) affects them all alike,
+    and their ratio stays fair. Fewer rounds if a round is slow: at least 5, within `budget` seconds.
+    """
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    planned, i = warmup + repeats, 0
     while i < planned:
-        reset()  # untimed: every call starts from the same input
-        if max_over_ranks:
-            dist.barrier()  # all ranks start together
-        start = time.perf_counter()
-        fn()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        if max_over_ranks:  # untimed: the call is done when the slowest rank is done
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if i >= warmup:
-            times.append(elapsed.item())
-        elif i == warmup - 1:  # after the warm-up: fit the repeats into the budget (5 or more)
-            planned = warmup + min(repeats, max(5, int(budget / max(elapsed.item(), 1e-9))))
+        round_seconds = 0.0
+        for name, fn in calls.items():
+            reset()  # untimed: every call starts from the same input
+            if max_over_ranks:
+                dist.barrier()  # all ranks start together
+            start = time.perf_counter()
+            fn()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            if max_over_ranks:  # untimed: the call is done when the slowest rank is done
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            round_seconds += elapsed.item()
+            if i >= warmup:
+                times[name].append(elapsed.item())
+        if i == warmup - 1:  # the last warm-up round sets the number of timed rounds (all ranks agree)
+            planned = warmup + min(repeats, max(5, int(budget / max(round_seconds, 1e-9))))
         i += 1
-    return statistics.median(times), len(times)
+    return {name: (statistics.median(t), len(t)) for name, t in times.items()}
+
+
+def bytes_written() -> int:
+    """Bytes this process has passed to write()-like system calls: here, what gloo sent over its sockets."""
+    for line in Path("/proc/self/io").read_text().splitlines():  # Linux; counts every thread of the process
+        if line.startswith("wchar:"):
+            return int(line.split()[1])
+    raise OSError("no wchar in /proc/self/io")
+
+
+def bytes_sent_per_rank(fn, reset) -> list[int]:
+    """Bytes each rank sends during one call of fn(), measured by the OS (one untimed call)."""
+    reset()
+    dist.barrier()
+    before = bytes_written()
+    fn()
+    sent = torch.tensor([bytes_written() - before], dtype=torch.int64)
+    dist.barrier()  # every rank's call is over before anyone gathers (gathering sends bytes too)
+    everyone = [torch.zeros_like(sent) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, sent)
+    return [int(t.item()) for t in everyone]
 
 
 def worker(rank: int, world: int, args: argparse.Namespace, results: mp.SimpleQueue) -> None:
@@ -79,13 +108,15 @@ def worker(rank: int, world: int, args: argparse.Namespace, results: mp.SimpleQu
         for size in args.sizes:
             src = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))  # float32
             x = torch.empty_like(src)
+            calls = {name: partial(algorithm(name, args.piece_bytes), x) for name in args.algorithms}
+            timed = time_calls(calls, partial(x.copy_, src), args.repeats, args.warmup,
+                               args.budget * len(calls), max_over_ranks=True)
             line = []
-            for name in args.algorithms:
-                fn = algorithm(name, args.piece_bytes)
-                seconds, n = time_call(partial(fn, x), partial(x.copy_, src), args.repeats, args.warmup,
-                                       args.budget, max_over_ranks=True)
+            for name, (seconds, n) in timed.items():
+                sent = bytes_sent_per_rank(calls[name], partial(x.copy_, src))
                 rows.append({"world_size": world, "algorithm": name, "bytes": size, "repeats": n,
-                             "median_ms": seconds * 1e3})
+                             "median_ms": seconds * 1e3, "busiest_rank_sent_bytes": max(sent),
+                             "rank0_sent_bytes": sent[0]})
                 line.append(f"{name} {seconds * 1e3:.2f} ms")
             if rank == 0:
                 print(f"W={world} {human(size):>6}: " + " | ".join(line), flush=True)
@@ -105,8 +136,8 @@ def copy_bandwidth(sizes: list[int], args: argparse.Namespace) -> dict[int, floa
     out = {}
     for size in sizes:
         src, dst = torch.randn(size // 4), torch.empty(size // 4)
-        seconds, _ = time_call(partial(dst.copy_, src), lambda: None, args.repeats, args.warmup, args.budget,
-                               max_over_ranks=False)
+        (seconds, _), = time_calls({"copy": partial(dst.copy_, src)}, lambda: None, args.repeats, args.warmup,
+                                   args.budget, max_over_ranks=False).values()
         out[size] = size / seconds / 1e9
     return out
 
@@ -145,15 +176,28 @@ def print_table(rows: list[dict], algorithms: list[str]) -> None:
         print(f"* oversubscribed: more processes than the {os.cpu_count()} CPU cores, which they share")
     print("busbw = algbw * 2(W-1)/W in GB/s (1 GB = 1e9 bytes); copy GB/s: one tensor.copy_ of the same size")
 
+    # Traffic: what the busiest rank sends in one all-reduce of the largest tensor, counted by the OS.
+    size = max(s for _, s in keys)
+    print(f"\nbytes sent by the busiest rank in one all-reduce of N = {human(size)}, as a multiple of N "
+          f"(measured: /proc/self/io wchar); each rank receives as much as it sends in a ring, rank 0 of ps "
+          f"receives what it sends")
+    header = ["W", *algorithms, "2(W-1)/W"]
+    table = [[str(w), *[f"{by[w, size, a]['busiest_rank_sent_bytes'] / size:.2f}" for a in algorithms],
+              f"{2 * (w - 1) / w:.2f}"] for w in sorted({w for w, _ in keys})]
+    widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
+    for row in [header, ["-" * w for w in widths], *table]:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+
 
 def plot(rows: list[dict], algorithms: list[str], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     worlds = sorted({r["world_size"] for r in rows})
     styles = {w: s for w, s in zip(worlds, ["-", "--", ":", "-."] * 4, strict=False)}
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (left, right, traffic) = plt.subplots(1, 3, figsize=(17, 4.5), width_ratios=[1, 1, 0.7])
     for world in worlds:
         over = " (oversubscribed)" if any(r["oversubscribed"] for r in rows if r["world_size"] == world) else ""
         for i, name in enumerate(algorithms):
@@ -171,8 +215,23 @@ def plot(rows: list[dict], algorithms: list[str], path: Path) -> None:
     right.axhline(1.25, color="grey", linewidth=1, linestyle=":")
     right.set(xscale="log", yscale="log", xlabel="tensor size (bytes)", ylabel="time / dist.all_reduce time",
               title="time relative to dist.all_reduce (gloo)")
+    right.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    right.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     left.legend(fontsize=7)
     right.legend(fontsize=7)
+    # The busiest rank's traffic against W: measured points on the formulas (ring 2(W-1)/W, ps W-1).
+    size = max(r["bytes"] for r in rows)
+    span = range(2, max(8, max(worlds)) + 1)
+    traffic.plot(span, [2 * (w - 1) / w for w in span], color="C1", alpha=0.4, label="ring: 2(W-1)/W")
+    traffic.plot(span, [w - 1 for w in span], color="C2", alpha=0.4, label="ps, rank 0: W-1")
+    for i, name in enumerate(algorithms):
+        pts = sorted((r["world_size"], r["busiest_rank_sent_bytes"] / size) for r in rows
+                     if r["algorithm"] == name and r["bytes"] == size)
+        traffic.plot([p[0] for p in pts], [p[1] for p in pts], "o", color=f"C{i}", markersize=11 - 2.5 * i,
+                     label=f"{name} (measured)")  # shrinking markers: equal values stay visible
+    traffic.set(xlabel="world size W", ylabel="bytes sent by the busiest rank / N",
+                title=f"traffic of one all-reduce (N = {human(size)})")
+    traffic.legend(fontsize=7)
     fig.suptitle(f"all-reduce of float32 tensors on gloo/CPU ({os.cpu_count()} cores, torch {torch.__version__})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -52,7 +53,7 @@ def collectives_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 def test_collectives_benchmark_writes_every_point(collectives_run):
     columns, rows = read_csv(collectives_run.out / "collectives.csv")
     assert columns == ["world_size", "oversubscribed", "algorithm", "bytes", "repeats", "median_ms", "algbw_GBps",
-                       "busbw_GBps", "copy_GBps", "time_vs_all_reduce"]
+                       "busbw_GBps", "copy_GBps", "time_vs_all_reduce", "busiest_rank_sent_bytes", "rank0_sent_bytes"]
     points = {(int(r["world_size"]), r["algorithm"], int(r["bytes"])) for r in rows}
     assert points == {(w, a, s) for w in COLL_WORLDS for a in COLL_ALGORITHMS for s in COLL_SIZES}
     assert len(rows) == len(points), "one row per point"
@@ -67,6 +68,19 @@ def test_collectives_benchmark_writes_every_point(collectives_run):
         if r["algorithm"] == "all_reduce":
             assert float(r["time_vs_all_reduce"]) == 1.0
     assert_png(collectives_run.out / "collectives.png")
+
+
+def test_collectives_benchmark_measures_the_traffic_the_readme_explains(collectives_run):
+    """Bytes each rank sends, counted by the OS: the ring's 2(W-1)/W * N per rank against rank 0's (W-1) * N."""
+    _, rows = read_csv(collectives_run.out / "collectives.csv")
+    n = max(COLL_SIZES)  # big enough that message headers are noise
+    for r in (r for r in rows if int(r["bytes"]) == n):
+        w, busiest, rank0 = int(r["world_size"]), int(r["busiest_rank_sent_bytes"]), int(r["rank0_sent_bytes"])
+        ring_share = 2 * (w - 1) / w * n
+        if r["algorithm"] in ("ring", "ring_simple", "all_reduce"):  # gloo's own all-reduce is a ring too
+            assert busiest == pytest.approx(ring_share, rel=0.05), r
+        else:
+            assert rank0 == busiest == pytest.approx((w - 1) * n, rel=0.05), r
 
 
 def test_collectives_benchmark_prints_progress_and_a_table(collectives_run):
@@ -87,7 +101,7 @@ BATCHES, CAPS = [8, 16], [1, 25, 100]
 def scaling_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     out = tmp_path_factory.mktemp("ddp_scaling")
     return check(run_script("benchmarks/ddp_scaling.py", "--batches", "8,16", "--sweep-batch", "8", "--steps", "2",
-                            "--warmup", "1", "--mlp-width", "32", "--accumulate", "2", out=out))
+                            "--rounds", "2", "--warmup", "1", "--mlp-width", "32", "--accumulate", "2", out=out))
 
 
 def test_ddp_scaling_writes_every_configuration(scaling_run):
@@ -119,9 +133,12 @@ def test_ddp_scaling_writes_every_configuration(scaling_run):
 def test_ddp_scaling_says_how_it_measured(scaling_run):
     out = scaling_run.stdout
     assert "torch.set_num_threads(1)" in out, "the one-thread-per-process setting is stated"
-    # 1 process: 2 models x 2 batches + the bucket and no_sync baselines; 2 processes: independent and
-    # ddp per model and batch, 3 bucket caps, accumulation with and without no_sync.
-    assert out.count("samples/s (") == (4 + 1 + 1) + (8 + 3 + 2), "a progress line per configuration"
+    # single, independent and ddp per model and batch; the bucket sweep (a single baseline + 3 caps);
+    # accumulation (a single baseline, all synced, no_sync).
+    n = 3 * 2 * len(BATCHES) + (1 + len(CAPS)) + 3
+    progress = re.findall(rf"^\[(\d+)/{n}\] .+ ms/step, 2 blocks of 2 steps$", out, re.M)
+    assert progress == [str(i) for i in range(1, n + 1)], "a progress line per configuration"
+    assert re.findall(r"^round \d/2 done$", out, re.M) == ["round 1/2 done", "round 2/2 done"]
     assert "efficiency = " in out and "wrote " in out
 
 
