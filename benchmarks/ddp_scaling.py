@@ -234,8 +234,9 @@ def plot(rows: list[dict], path: Path) -> None:
     sweep = [r for r in rows if r["experiment"] in ("buckets", "no_sync") and r["mode"] == "ddp"]
     names = [(f"bucket {r['bucket_cap_mb']} MB" if r["experiment"] == "buckets" else
               f"{r['accumulate']} micro-b.\n" + ("no_sync" if r["no_sync"] else "all synced")) for r in sweep]
-    right.bar(range(len(sweep)), [r["efficiency"] for r in sweep], color=["C2" if r["experiment"] == "buckets" else "C3"
-                                                                          for r in sweep])
+    bars = right.bar(range(len(sweep)), [r["efficiency"] for r in sweep],
+                     color=["C2" if r["experiment"] == "buckets" else "C3" for r in sweep])
+    right.bar_label(bars, fmt="%.2f")
     right.set_xticks(range(len(sweep)), names, fontsize=8)
     right.axhline(1.0, color="grey", linewidth=1)
     b = sweep[0]["per_rank_batch"] if sweep else 0

@@ -49,8 +49,8 @@ def algorithm(name: str, piece_bytes: int):
 
 
 def time_calls(calls: dict, reset, repeats: int, warmup: int, budget: float,
-               max_over_ranks: bool) -> dict[str, tuple[float, int]]:
-    """{name: (median seconds, repeats)} for each call in `calls`, after warm-up rounds.
+               max_over_ranks: bool) -> dict[str, list[float]]:
+    """{name: [seconds of each timed round]} for each call in `calls`, after warm-up rounds.
 
     The calls take turns (round after round, each call once per round), so a machine that gets
     slower or faster during the measurement (other work, clock changes) affects them all alike,
@@ -75,7 +75,7 @@ def time_calls(calls: dict, reset, repeats: int, warmup: int, budget: float,
         if i == warmup - 1:  # the last warm-up round sets the number of timed rounds (all ranks agree)
             planned = warmup + min(repeats, max(5, int(budget / max(round_seconds, 1e-9))))
         i += 1
-    return {name: (statistics.median(t), len(t)) for name, t in times.items()}
+    return times
 
 
 def bytes_written() -> int:
@@ -112,11 +112,16 @@ def worker(rank: int, world: int, args: argparse.Namespace, results: mp.SimpleQu
             timed = time_calls(calls, partial(x.copy_, src), args.repeats, args.warmup,
                                args.budget * len(calls), max_over_ranks=True)
             line = []
-            for name, (seconds, n) in timed.items():
+            for name, times in timed.items():
+                seconds = statistics.median(times)
+                # Relative to dist.all_reduce: the median of the rounds' ratios. The two calls of a round ran
+                # back to back, so their ratio is spared the machine's slower and faster moments.
+                paired = (statistics.median(t / ref for t, ref in zip(times, timed["all_reduce"], strict=True))
+                          if "all_reduce" in timed else "")
                 sent = bytes_sent_per_rank(calls[name], partial(x.copy_, src))
-                rows.append({"world_size": world, "algorithm": name, "bytes": size, "repeats": n,
-                             "median_ms": seconds * 1e3, "busiest_rank_sent_bytes": max(sent),
-                             "rank0_sent_bytes": sent[0]})
+                rows.append({"world_size": world, "algorithm": name, "bytes": size, "repeats": len(times),
+                             "median_ms": seconds * 1e3, "time_vs_all_reduce": paired,
+                             "busiest_rank_sent_bytes": max(sent), "rank0_sent_bytes": sent[0]})
                 line.append(f"{name} {seconds * 1e3:.2f} ms")
             if rank == 0:
                 print(f"W={world} {human(size):>6}: " + " | ".join(line), flush=True)
@@ -136,8 +141,9 @@ def copy_bandwidth(sizes: list[int], args: argparse.Namespace) -> dict[int, floa
     out = {}
     for size in sizes:
         src, dst = torch.randn(size // 4), torch.empty(size // 4)
-        (seconds, _), = time_calls({"copy": partial(dst.copy_, src)}, lambda: None, args.repeats, args.warmup,
-                                   args.budget, max_over_ranks=False).values()
+        times = time_calls({"copy": partial(dst.copy_, src)}, lambda: None, args.repeats, args.warmup,
+                           args.budget, max_over_ranks=False)["copy"]
+        seconds = statistics.median(times)
         out[size] = size / seconds / 1e9
     return out
 
@@ -164,7 +170,7 @@ def print_table(rows: list[dict], algorithms: list[str]) -> None:
         over = next(iter(r.values()))["oversubscribed"]
         cells = [f"{world}{'*' if over else ''}", human(size), *[f"{r[a]['median_ms']:.3f}" for a in algorithms]]
         if "ring/all_reduce" in header:
-            cells.append(f"{r['ring']['median_ms'] / r['all_reduce']['median_ms']:.2f}")
+            cells.append(f"{r['ring']['time_vs_all_reduce']:.2f}")
         if "ps/ring" in header:
             cells.append(f"{r['ps']['median_ms'] / r['ring']['median_ms']:.2f}")
         cells += [f"{r[a]['busbw_GBps']:.3f}" for a in algorithms] + [f"{r[algorithms[0]]['copy_GBps']:.2f}"]
@@ -174,6 +180,8 @@ def print_table(rows: list[dict], algorithms: list[str]) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
     if any(r["oversubscribed"] for r in rows):
         print(f"* oversubscribed: more processes than the {os.cpu_count()} CPU cores, which they share")
+    print("ring/all_reduce: median over the rounds of ring time / all_reduce time, the two run back to back; "
+          "ps/ring: ratio of the medians")
     print("busbw = algbw * 2(W-1)/W in GB/s (1 GB = 1e9 bytes); copy GB/s: one tensor.copy_ of the same size")
 
     # Traffic: what the busiest rank sends in one all-reduce of the largest tensor, counted by the OS.
@@ -300,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated subset of {','.join(ALGORITHMS)}")
     p.add_argument("--repeats", type=positive(int), default=30, help="timed calls per point, at most (default 30)")
     p.add_argument("--warmup", type=positive(int), default=2, help="untimed calls first (default 2)")
-    p.add_argument("--budget", type=positive(float), default=1.0,
+    p.add_argument("--budget", type=positive(float), default=2.0,
                    help="seconds of timed calls per point: fewer repeats (at least 5) for slow calls")
     p.add_argument("--piece-bytes", type=positive(int), default=PIECE_BYTES, help="the fast ring's piece size")
     p.add_argument("--out", type=Path, default=Path("runs/collectives"), help="where to write the CSV and PNG")
@@ -323,15 +331,12 @@ def main(argv: list[str] | None = None) -> int:
         mp.spawn(worker, args=(world, args, queue), nprocs=world)  # worker(rank, world, args, queue)
         rows += queue.get()
     copy = copy_bandwidth(args.sizes, args)  # after the ranks are gone: the machine is otherwise idle
-    reference = {(r["world_size"], r["bytes"]): r["median_ms"] for r in rows if r["algorithm"] == "all_reduce"}
     for r in rows:
         w, seconds = r["world_size"], r["median_ms"] / 1e3
         r["oversubscribed"] = w > cores
         r["algbw_GBps"] = r["bytes"] / seconds / 1e9
         r["busbw_GBps"] = r["algbw_GBps"] * 2 * (w - 1) / w
         r["copy_GBps"] = copy[r["bytes"]]
-        ref = reference.get((w, r["bytes"]))
-        r["time_vs_all_reduce"] = r["median_ms"] / ref if ref else ""
 
     print()
     print_table(rows, args.algorithms)
