@@ -34,6 +34,7 @@ import os
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -269,8 +270,8 @@ def list_of(kind, choices: tuple[str, ...] = ()):
         except ValueError:
             values = []
         if not values or any(v not in choices if choices else v <= 0 for v in values):
-            allowed = f"from {','.join(choices)}" if choices else "positive numbers"
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list {allowed}, got {text!r}")
+            allowed = f"names from {','.join(choices)}" if choices else "positive integers"
+            raise argparse.ArgumentTypeError(f"expected comma-separated {allowed}, got {text!r}")
         return values
     parse.__name__ = "list"
     return parse
@@ -280,6 +281,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ensure_writable(directory: Path) -> None:
+    """Create `directory` if needed and write a file there: mkdir alone succeeds on a read-only disk."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tempfile.TemporaryFile(dir=directory).close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,9 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.world_size < 2:
         p.error(f"argument --world-size: the distributed runs need 2 or more processes, got {args.world_size}")
     try:
-        args.out.mkdir(parents=True, exist_ok=True)
+        ensure_writable(args.out)  # fail now, not after measuring
     except OSError as e:
-        p.error(f"argument --out: cannot create {args.out} ({e.strerror}); choose a writable directory")
+        p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
 
     cores = os.cpu_count() or 1
     over = " (oversubscribed: more processes than cores)" if args.world_size > cores else ""

@@ -84,6 +84,12 @@ def positive(kind):
     return parse
 
 
+def ensure_writable(directory: Path) -> None:
+    """Create `directory` if needed and write a file there: mkdir alone succeeds on a read-only disk."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tempfile.TemporaryFile(dir=directory).close()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="benchmarks/dp_vs_ddp.py", description=__doc__.splitlines()[0])
     p.add_argument("--batch-size", type=positive(int), default=256, help="samples per GPU per step (default 256)")
@@ -103,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     if gpus > visible or gpus < 2:
         p.error(f"argument --gpus: between 2 and the {visible} visible GPUs, got {gpus}")
     try:
-        args.out.mkdir(parents=True, exist_ok=True)
+        ensure_writable(args.out)  # fail now, not after measuring
     except OSError as e:
-        p.error(f"argument --out: cannot create {args.out} ({e.strerror}); choose a writable directory")
+        p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
 
     b, common = args.batch_size, ["--device", "cuda", "--epochs", str(args.epochs)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]

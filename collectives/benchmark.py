@@ -28,6 +28,7 @@ import os
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from functools import partial
@@ -213,7 +214,8 @@ def plot(rows: list[dict], algorithms: list[str], path: Path) -> None:
                          if r["world_size"] == world and r["algorithm"] == name)
             kw = {"color": f"C{i}", "linestyle": styles[world], "marker": "o", "markersize": 3}
             left.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{name}, W={world}{over}", **kw)
-            right.plot([p[0] for p in pts], [p[2] for p in pts], label=f"{name}, W={world}", **kw)
+            if all(p[2] != "" for p in pts):  # ratios exist only when dist.all_reduce was timed too
+                right.plot([p[0] for p in pts], [p[2] for p in pts], label=f"{name}, W={world}", **kw)
     copy = sorted({(r["bytes"], r["copy_GBps"]) for r in rows})
     left.plot([c[0] for c in copy], [c[1] for c in copy], color="grey", linewidth=3, alpha=0.5,
               label="tensor.copy_ (one process)")
@@ -299,6 +301,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ensure_writable(directory: Path) -> None:
+    """Create `directory` if needed and write a file there: mkdir alone succeeds on a read-only disk."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tempfile.TemporaryFile(dir=directory).close()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="collectives/benchmark.py", description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=size_list, default=size_list("4K,16K,64K,256K,1M,4M,16M,64M"),
@@ -316,9 +324,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds a collective waits for the other ranks before the job fails")
     args = p.parse_args(argv)
     try:
-        args.out.mkdir(parents=True, exist_ok=True)
+        ensure_writable(args.out)  # fail now, not after measuring
     except OSError as e:
-        p.error(f"argument --out: cannot create {args.out} ({e.strerror}); choose a writable directory")
+        p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
 
     cores = os.cpu_count() or 1
     print(f"all-reduce benchmark: float32, sizes {human(min(args.sizes))} .. {human(max(args.sizes))}, "

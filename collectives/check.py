@@ -18,6 +18,7 @@ import math
 import os
 import socket
 import sys
+import tempfile
 from datetime import timedelta
 from pathlib import Path
 
@@ -145,6 +146,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ensure_writable(directory: Path) -> None:
+    """Create `directory` if needed and write a file there: mkdir alone succeeds on a read-only disk."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tempfile.TemporaryFile(dir=directory).close()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="collectives/check.py", description=__doc__.splitlines()[0])
     p.add_argument("--world-size", type=positive(int), default=4, help="processes to start (default 4)")
@@ -155,9 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.out is not None:
         try:
-            args.out.mkdir(parents=True, exist_ok=True)
+            ensure_writable(args.out)  # fail now, not after measuring
         except OSError as e:
-            p.error(f"argument --out: cannot create {args.out} ({e.strerror}); choose a writable directory")
+            p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
     args.port = free_port()
     verdict = mp.get_context("spawn").SimpleQueue()  # rank 0 puts the number of mismatches here
     mp.spawn(worker, args=(args.world_size, args, verdict), nprocs=args.world_size)  # worker(rank, ...)
