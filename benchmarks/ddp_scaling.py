@@ -29,12 +29,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import math
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -45,6 +42,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "collectives"))  # cli.py, shared with collectives/
+from cli import ArgumentParser, ensure_writable, free_port, positive  # noqa: E402
 
 COLUMNS = ["experiment", "model", "params", "mode", "world_size", "per_rank_batch", "global_batch", "bucket_cap_mb",
            "accumulate", "no_sync", "steps", "step_ms", "samples_per_s", "efficiency"]
@@ -248,21 +248,6 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line naming the flag, exit 2 (no usage dump)
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
-
-
 def list_of(kind, choices: tuple[str, ...] = ()):
     def parse(text: str):
         try:
@@ -275,18 +260,6 @@ def list_of(kind, choices: tuple[str, ...] = ()):
         return values
     parse.__name__ = "list"
     return parse
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def ensure_writable(directory: Path) -> None:
-    """Create `directory` if needed and write a file there: mkdir alone succeeds on a read-only disk."""
-    directory.mkdir(parents=True, exist_ok=True)
-    tempfile.TemporaryFile(dir=directory).close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,10 +14,8 @@ Writes DIR/dp_vs_ddp.csv and DIR/dp_vs_ddp.png (--out, default runs/dp_vs_ddp).
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
-import math
 import os
 import signal
 import subprocess
@@ -25,6 +23,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "collectives"))  # cli.py, shared with collectives/
+from cli import ArgumentParser, ensure_writable, positive  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = ["stage", "launcher", "processes", "gpus", "per_process_batch", "global_batch", "epochs", "samples_per_s",
@@ -67,27 +68,6 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line naming the flag, exit 2 (no usage dump)
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
-
-
-def ensure_writable(directory: Path) -> None:
-    """Create `directory` if needed and write a file there: mkdir alone succeeds on a read-only disk."""
-    directory.mkdir(parents=True, exist_ok=True)
-    tempfile.TemporaryFile(dir=directory).close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,12 +23,9 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from functools import partial
@@ -38,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from allreduce import PIECE_BYTES, ps_all_reduce, ring_all_reduce, ring_all_reduce_simple
+from cli import ArgumentParser, ensure_writable, free_port, positive
 
 ALGORITHMS = ("all_reduce", "ring", "ps", "ring_simple")
 COLUMNS = ["world_size", "oversubscribed", "algorithm", "bytes", "repeats", "median_ms", "algbw_GBps",
@@ -248,21 +246,6 @@ def plot(rows: list[dict], algorithms: list[str], path: Path) -> None:
     plt.close(fig)
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line naming the flag, exit 2 (no usage dump)
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
-
-
 def size_list(text: str) -> list[int]:
     """'4K,1M,64M' -> bytes; multiples of 4 (float32 elements)."""
     out = []
@@ -293,18 +276,6 @@ def name_list(text: str) -> list[str]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {','.join(ALGORITHMS)}")
     return names
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def ensure_writable(directory: Path) -> None:
-    """Create `directory` if needed and write a file there: mkdir alone succeeds on a read-only disk."""
-    directory.mkdir(parents=True, exist_ok=True)
-    tempfile.TemporaryFile(dir=directory).close()
 
 
 def main(argv: list[str] | None = None) -> int:

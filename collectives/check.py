@@ -16,9 +16,7 @@ import argparse
 import json
 import math
 import os
-import socket
 import sys
-import tempfile
 from datetime import timedelta
 from pathlib import Path
 
@@ -26,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from allreduce import ps_all_reduce, ring_all_reduce, ring_all_reduce_simple
+from cli import ArgumentParser, ensure_writable, free_port, positive
 
 ALGORITHMS = {
     "ring_simple": ring_all_reduce_simple,
@@ -123,33 +122,6 @@ def worker(rank: int, world: int, args: argparse.Namespace, verdict: mp.SimpleQu
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line naming the flag, exit 2 (no usage dump)
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def ensure_writable(directory: Path) -> None:
-    """Create `directory` if needed and write a file there: mkdir alone succeeds on a read-only disk."""
-    directory.mkdir(parents=True, exist_ok=True)
-    tempfile.TemporaryFile(dir=directory).close()
 
 
 def main(argv: list[str] | None = None) -> int:
