@@ -33,7 +33,6 @@ import os
 import statistics
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -44,7 +43,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "collectives"))  # cli.py, shared with collectives/
-from cli import ArgumentParser, ensure_writable, free_port, positive  # noqa: E402
+from cli import ArgumentParser, ensure_writable, exit_worker, free_port, gloo_group, positive  # noqa: E402
 
 COLUMNS = ["experiment", "model", "params", "mode", "world_size", "per_rank_batch", "global_batch", "bucket_cap_mb",
            "accumulate", "no_sync", "steps", "step_ms", "samples_per_s", "efficiency"]
@@ -120,10 +119,7 @@ def timed(runner: Runner, n: int) -> float:
 
 
 def worker(rank: int, world: int, configs: list[dict], args: argparse.Namespace, results: mp.SimpleQueue) -> None:
-    torch.set_num_threads(1)  # one core per process: see the module docstring
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=args.timeout))
-    try:
+    with gloo_group(rank, world, args.port, args.timeout):
         runners, per_block = [], []
         for i, cfg in enumerate(configs):  # set up, warm up, and size the blocks of steps
             runner = Runner(cfg, args, rank)
@@ -155,12 +151,7 @@ def worker(rank: int, world: int, configs: list[dict], args: argparse.Namespace,
                          "samples_per_s": n * cfg["accumulate"] * cfg["batch"] * procs / seconds})
         if rank == 0:
             results.put(rows)
-    finally:
-        dist.destroy_process_group()
-    # Leave without interpreter teardown, which can abort gloo's threads (see 03_ddp_spawn/README.md).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_worker()
 
 
 def label(cfg: dict) -> str:

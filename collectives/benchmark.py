@@ -27,7 +27,6 @@ import os
 import statistics
 import sys
 import time
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -35,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from allreduce import PIECE_BYTES, ps_all_reduce, ring_all_reduce, ring_all_reduce_simple
-from cli import ArgumentParser, ensure_writable, free_port, positive
+from cli import ArgumentParser, ensure_writable, exit_worker, free_port, gloo_group, positive
 
 ALGORITHMS = ("all_reduce", "ring", "ps", "ring_simple")
 COLUMNS = ["world_size", "oversubscribed", "algorithm", "bytes", "repeats", "median_ms", "algbw_GBps",
@@ -99,10 +98,7 @@ def bytes_sent_per_rank(fn, reset) -> list[int]:
 
 
 def worker(rank: int, world: int, args: argparse.Namespace, results: mp.SimpleQueue) -> None:
-    torch.set_num_threads(1)  # one intra-op thread per rank: W ranks share the machine's cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=args.timeout))
-    try:
+    with gloo_group(rank, world, args.port, args.timeout):
         rows = []
         for size in args.sizes:
             src = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))  # float32
@@ -126,12 +122,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, results: mp.SimpleQu
                 print(f"W={world} {human(size):>6}: " + " | ".join(line), flush=True)
         if rank == 0:
             results.put(rows)
-    finally:
-        dist.destroy_process_group()
-    # Leave without interpreter teardown, which can abort gloo's threads (see 03_ddp_spawn/README.md).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_worker()
 
 
 def copy_bandwidth(sizes: list[int], args: argparse.Namespace) -> dict[int, float]:

@@ -15,16 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from allreduce import ps_all_reduce, ring_all_reduce, ring_all_reduce_simple
-from cli import ArgumentParser, ensure_writable, free_port, positive
+from cli import ArgumentParser, ensure_writable, exit_worker, free_port, gloo_group, positive
 
 ALGORITHMS = {
     "ring_simple": ring_all_reduce_simple,
@@ -95,11 +93,7 @@ def run_cases(rank: int, world: int, seed: int) -> list[dict]:
 
 
 def worker(rank: int, world: int, args: argparse.Namespace, verdict: mp.SimpleQueue) -> None:
-    torch.set_num_threads(1)  # W processes share the cores
-    # Sync point: every rank meets here; any collective that then waits longer than --timeout fails the job.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=args.timeout))
-    try:
+    with gloo_group(rank, world, args.port, args.timeout):
         results = run_cases(rank, world, args.seed)
         bad = [r for r in results if not (r["matches_all_reduce"] and r["matches_expected"])]
         for r in bad:
@@ -116,12 +110,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, verdict: mp.SimpleQu
             print(f"world size {world}: {n - len(bad)}/{n} cases per rank agree with dist.all_reduce "
                   f"({', '.join(ALGORITHMS)}; {', '.join(DTYPES)}; sizes {sizes(world)})" +
                   ("" if failures.item() == 0 else f"\nFAILED: {failures.item()} mismatches over {world} ranks"))
-    finally:
-        dist.destroy_process_group()
-    # Leave without interpreter teardown, which can abort gloo's threads (see 03_ddp_spawn/README.md).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_worker()
 
 
 def main(argv: list[str] | None = None) -> int:

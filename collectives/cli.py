@@ -1,12 +1,17 @@
-"""Command-line pieces shared by the scripts in collectives/ and benchmarks/ (not by the stages,
-which stay self-contained): one-line errors with exit status 2, positive numbers, a free port,
-and an output directory checked before any measuring starts."""
+"""Pieces shared by the scripts in collectives/ and benchmarks/ (not by the stages, which stay
+self-contained): one-line errors with exit status 2, positive numbers, a free port, an output
+directory checked before any measuring starts, and the gloo group each worker runs in."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import socket
+import sys
 import tempfile
+from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 
@@ -35,3 +40,26 @@ def ensure_writable(directory: Path) -> None:
     """Create `directory` if needed and write a file there: mkdir alone succeeds on a read-only disk."""
     directory.mkdir(parents=True, exist_ok=True)
     tempfile.TemporaryFile(dir=directory).close()
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, world: int, port: int, timeout: float) -> Iterator[None]:
+    """The block runs in a gloo group on 127.0.0.1:port, with one intra-op thread per rank."""
+    import torch  # here, not at the top: dp_vs_ddp.py only starts subprocesses
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # W ranks share the machine's cores: one core each
+    # Sync point: every rank meets here; any collective that then waits longer than `timeout` fails the job.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def exit_worker() -> None:
+    """Leave without interpreter teardown, which can abort gloo's threads (see 03_ddp_spawn/README.md)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
