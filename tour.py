@@ -1,16 +1,21 @@
-"""The tour: run every stage through its real launcher and show they all reach the same weights.
+"""The tour: run every stage through its real launcher and show they all compute the same training.
 
-    python tour.py                 # GPUs if visible (nccl), else the CPU (gloo)
-    python tour.py --epochs 5      # quicker
+    python tour.py                    # GPUs if visible (nccl), else the CPU (gloo); float64
+    python tour.py --dtype float32    # the precision training uses: rounding 5e8 times coarser
+    python tour.py --epochs 5         # quicker
 
 Each stage trains the same model on the same data in the same order; the distributed ones
 use W processes of batch b, the single-process ones batch W*b. Only the way the work is
-split changes, so the final weights agree with stage 01's to float rounding.
+split changes, so every epoch of every stage is an epoch of stage 01, up to float rounding:
+the tour replays each recorded epoch with stage 01's own code and compares (see replay_error).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import importlib.util
+import itertools
 import json
 import os
 import shutil
@@ -24,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent
 # Variables a launcher sets for its workers: a value inherited from the caller's shell would leak in.
@@ -68,36 +74,55 @@ class Step:
         return {"OMP_NUM_THREADS": "1"} if self.nnodes > 1 else {}
 
 
-def plan(world: int, batch: int, epochs: int | None = None, device: str = "auto") -> list[Step]:
-    """Every stage that exists, each set up to compute the same thing at global batch world*batch."""
-    common = ("--device", device, *(("--epochs", str(epochs)) if epochs else ()))
-    gpus = _gpus(device)
+def plan(world: int, batch: int, epochs: int | None = None, device: str = "auto", dtype: str = "float64",
+         gpus: int | None = None) -> list[Step]:
+    """Every stage that exists, each set up to compute the same thing at global batch world*batch.
+
+    `gpus`: how many the runs may use (default: those visible, none for --device cpu). With one
+    GPU, the single-process runs use it and the multi-process ones run as CPU processes.
+    """
+    gpus = visible_gpus(device) if gpus is None else gpus
+    epochs_args = ("--epochs", str(epochs)) if epochs else ()
+    one = ("--device", "cuda" if gpus == 1 else device, "--dtype", dtype, *epochs_args)  # single-process runs
+    common = ("--device", "cpu" if gpus == 1 else device, "--dtype", dtype, *epochs_args)  # multi-process runs
     steps = [
-        Step("01_single_gpu", "python", (*common, "--batch-size", str(world * batch)), label="python"),
-        Step("02_dataparallel", "python", (*common, "--batch-size", str(world * batch)), label="python"),
+        Step("01_single_gpu", "python", (*one, "--batch-size", str(world * batch)), label="python"),
+        Step("02_dataparallel", "python", (*one, "--batch-size", str(world * batch)), label="python"),
         Step("03_ddp_spawn", "python", (*common, "--world-size", str(world), "--batch-size", str(batch)),
              label="mp.spawn"),
         Step("04_ddp_torchrun", "torchrun", (*common, "--batch-size", str(batch)), nproc=world, label="torchrun"),
-        Step("04_ddp_torchrun", "python", (*common, "--batch-size", str(world * batch)), label="python (1 process)"),
-        # On the CPU, W torchrun "nodes" of one process each on 127.0.0.1. Nodes sharing one machine's
+        Step("04_ddp_torchrun", "python", (*one, "--batch-size", str(world * batch)), label="python (1 process)"),
+        *([Step("04_ddp_torchrun", "torchrun", (*one, "--batch-size", str(world * batch)), nproc=1,
+                label="torchrun, 1 process")] if gpus == 1 else []),  # DDP with nccl on the one GPU
+        # Without GPUs, W torchrun "nodes" of one process each on 127.0.0.1. Nodes sharing one machine's
         # GPUs would all pick cuda:LOCAL_RANK, so with GPUs it runs as one node.
         Step("05_multinode", "torchrun", (*common, "--batch-size", str(batch)), nproc=1, nnodes=world,
-             label=f"torchrun, {world} nodes") if not gpus else
+             label=f"torchrun, {world} nodes") if gpus < 2 else
         Step("05_multinode", "torchrun", (*common, "--batch-size", str(batch)), nproc=world, label="torchrun, 1 node"),
         Step("06_checkpoint", "torchrun", (*common, "--batch-size", str(batch), "--snapshot", "{out}/snapshot.pt"),
              nproc=world, label="torchrun + snapshots"),
         # Two GPUs per process: half as many processes, each with twice the batch (same global batch).
-        Step("07_model_parallel", "torchrun", (*common, "--batch-size", str(world * batch // (world // 2 or 1))),
-             nproc=world // 2 or 1, label="torchrun, model on 2 GPUs") if gpus >= 2 else
+        Step("07_model_parallel", "torchrun", (*common, "--batch-size", str(2 * batch)), nproc=world // 2,
+             label="torchrun, model on 2 GPUs") if gpus >= 2 and world % 2 == 0 else
         Step("07_model_parallel", "torchrun", (*common, "--batch-size", str(batch)), nproc=world,
              label="torchrun, model split"),
     ]
     return [s for s in steps if (ROOT / s.stage / "train.py").exists()]
 
 
-def _gpus(device: str) -> int:
+def visible_gpus(device: str) -> int:
     import torch  # here, not at the top: importing torch takes seconds
     return torch.cuda.device_count() if device != "cpu" else 0
+
+
+def where(gpus: int, world: int) -> str:
+    """What runs where, in one line."""
+    if gpus == 0:
+        return "CPU (gloo)"
+    if gpus == 1:
+        return (f"1 GPU: the single-process runs on it (nccl for DDP), the {world}-process runs as CPU processes "
+                f"(gloo)")
+    return "GPUs (nccl)"
 
 
 @dataclass
@@ -118,6 +143,11 @@ class Run:
     def model(self) -> dict:
         import torch
         return torch.load(self.out / "model.pt", map_location="cpu", weights_only=True)
+
+    @property
+    def trajectory(self) -> list[dict]:
+        import torch
+        return torch.load(self.out / "trajectory.pt", map_location="cpu", weights_only=True)
 
     def describe(self) -> str:
         status = "killed at the time limit" if self.returncode is None else f"exit {self.returncode}"
@@ -304,32 +334,96 @@ def max_abs_diff(a: dict, b: dict) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+@functools.cache
+def load_stage(stage: str) -> ModuleType:
+    """Import a stage's train.py as a module (its work is in functions, so importing runs nothing)."""
+    spec = importlib.util.spec_from_file_location(f"stage_{stage}", ROOT / stage / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # inspect.getsource() finds classes through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def tolerance(dtype: str) -> float:
+    """sqrt(eps) of the dtype: far above one epoch's rounding, far below what any bug changes (README)."""
+    import torch
+    return torch.finfo(getattr(torch, dtype)).eps ** 0.5
+
+
+def replay_error(summary: dict, trajectory: list[dict]) -> float:
+    """How far a run's recorded epochs are from stage 01's code replaying each of them.
+
+    For every epoch the run recorded, stage 01's own Trainer starts from the run's weights and
+    momentum before it, trains that epoch on the CPU, and is compared with the run's state after it.
+    A stage that computes stage 01's training differs by one epoch's rounding, however long it
+    trained (final weights can drift much further: training amplifies rounding). A stage that
+    computes something else (another order, batch, average or start) differs at once.
+    """
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is fastest, and fair to whatever else runs
+    try:
+        return _replay_error(load_stage("01_single_gpu"), summary, trajectory)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _replay_error(s01: ModuleType, summary: dict, trajectory: list[dict]) -> float:
+    import torch
+    args = argparse.Namespace(seed=summary["seed"], lr=summary["lr"], dtype=summary["dtype"],
+                              batch_size=summary["global_batch"])
+    cpu = torch.device("cpu")
+    train_set, _, model, optimizer = s01.load_train_objs(args, cpu)
+    trainer = s01.Trainer(model, s01.prepare_dataloader(train_set, args.batch_size), optimizer, cpu, args.seed)
+    params = list(model.parameters())
+
+    def gap(ours: list, theirs: list) -> float:
+        return max((a.double() - b.double()).abs().max().item() for a, b in zip(ours, theirs, strict=True))
+
+    # A run from scratch must start where stage 01 starts, exactly.
+    worst = gap(params, trajectory[0]["params"]) if trajectory[0]["epoch"] == 0 else 0.0
+    for before, after in itertools.pairwise(trajectory):
+        with torch.no_grad():
+            for p, w in zip(params, before["params"], strict=True):
+                p.copy_(w)
+        optimizer.state.clear()
+        for p, m in zip(params, before["momentum"], strict=True):
+            if m is not None:
+                optimizer.state[p]["momentum_buffer"] = m.clone()
+        trainer._run_epoch(before["epoch"])
+        momentum = [optimizer.state[p]["momentum_buffer"] for p in params]
+        worst = max(worst, gap(params, after["params"]), gap(momentum, after["momentum"]))
+    return worst
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Run every stage and compare their final weights with stage 01's.")
+    p = argparse.ArgumentParser(description="Run every stage and check that each computes stage 01's training.")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--dtype", choices=["float64", "float32"], default="float64",
+                   help="precision of every run: float64 (default) makes rounding too small to hide a bug")
     p.add_argument("--epochs", type=int, help="epochs per stage (default: the stages' own)")
     p.add_argument("--batch-size", type=int, default=32, help="per-process batch b of the distributed stages")
-    p.add_argument("--atol", type=float, default=1e-5, help="largest |Δweight| against stage 01 that counts as equal")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one stage may take before it is killed")
     args = p.parse_args(argv)
     if args.batch_size < 1 or (args.epochs is not None and args.epochs < 1):
         p.error("--batch-size and --epochs must be positive")
 
-    import torch  # after argument checks: importing torch takes seconds
-    gpus = torch.cuda.device_count() if args.device != "cpu" else 0
+    gpus = visible_gpus(args.device)
     world = gpus if gpus >= 2 else 2  # one process per GPU, or 2 CPU processes
-    steps = plan(world, args.batch_size, args.epochs, args.device)
+    steps = plan(world, args.batch_size, args.epochs, args.device, args.dtype, gpus)
+    tol = tolerance(args.dtype)
     print(f"tour: stages 01-{steps[-1].stage[:2]}, world size {world}, batch {args.batch_size} per process "
-          f"= {world * args.batch_size} global; {'GPUs (nccl)' if gpus else 'CPU (gloo)'}\n", flush=True)
+          f"= {world * args.batch_size} global, {args.dtype}; {where(gpus, world)}\n", flush=True)
 
     # Stage 05 once more, as a Slurm job on a local two-node cluster, where Slurm is installed.
-    slurm_skip = slurm_missing() or ("the local Slurm cluster runs on the CPU only" if gpus else None)
+    slurm_skip = slurm_missing() or ("the local Slurm cluster runs on the CPU only" if gpus >= 2 else None)
     epochs = ("--epochs", str(args.epochs)) if args.epochs else ()
-    slurm_args = ("--device", args.device, *epochs, "--batch-size", str(args.batch_size))
+    slurm_args = ("--device", "cpu" if gpus else args.device, "--dtype", args.dtype, *epochs,
+                  "--batch-size", str(args.batch_size))
     slurm_step = Step("05_multinode", "sbatch", slurm_args, label=f"sbatch, {world} Slurm nodes")
     runs = [*steps, slurm_step] if slurm_skip is None else steps
 
-    rows, reference, failed = [], None, False
+    rows, reference, failed, drift, worst = [], None, False, 0.0, 0.0
     with tempfile.TemporaryDirectory(prefix="ddp-tour-") as tmp:
         for i, step in enumerate(runs):
             print(f"[{i + 1}/{len(runs)}] {step.stage} via {step.label} ...", end=" ", flush=True)
@@ -345,23 +439,28 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             s, model = run.summary, run.model
             reference = reference if reference is not None else model
-            diff = max_abs_diff(reference, model)
-            failed |= diff > args.atol
+            diff, replay = max_abs_diff(reference, model), replay_error(s, run.trajectory)
+            failed |= replay > tol
+            drift, worst = max(drift, diff), max(worst, replay)
             print(f"done in {run.seconds:.1f}s", flush=True)
             rows.append((step.stage, step.label, str(s["world_size"]), f"{s['backend'] or '-'}/{s['device']}",
-                         f"{s['losses'][-1]:.4f}", f"{s['eval_accuracy']:.2%}", f"{diff:.1e}",
+                         f"{s['losses'][-1]:.4f}", f"{s['eval_accuracy']:.2%}", f"{diff:.1e}", f"{replay:.1e}",
                          f"{s['seconds']:.1f}", f"{run.seconds:.1f}"))
 
     header = ("stage", "launcher", "world", "backend/device", "train loss", "held-out acc", "max|Δw| vs 01",
-              "train s", "wall s")
+              "epoch replay", "train s", "wall s")
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     print()
     for r in [header, tuple("-" * w for w in widths), *rows]:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
     if slurm_skip:
         print(f"\n(no Slurm run: {slurm_skip}; see slurm/README.md)")
+    if drift > tol and not failed:
+        print(f"\nThe final weights drifted up to {drift:.1e} apart while every epoch replays to ≤ {worst:.1e}: "
+              f"training amplified {args.dtype} rounding (README: \"Same weights, up to rounding\").")
     verdict = ("FAILED: see above" if failed else
-               f"every stage reached stage 01's weights (max |Δw| ≤ {args.atol:g}): only the split of the work changed")
+               f"every stage computed stage 01's training: each epoch replays with stage 01's code to "
+               f"≤ {tol:.1e} ({args.dtype} tolerance); only the split of the work changed")
     print(f"\n{verdict}")
     return 1 if failed else 0
 

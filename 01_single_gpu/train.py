@@ -24,14 +24,16 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
 STAGE = "01_single_gpu"
 N_TRAIN, N_EVAL = 4096, 1001  # 1001 is odd: the held-out set never splits evenly over 2, 4 or 8 ranks
 N_FEATURES, N_CLASSES, HIDDEN = 8, 4, 64
+DTYPES = {"float32": torch.float32, "float64": torch.float64}  # --dtype
 
 
-def make_data(seed: int) -> tuple[TensorDataset, TensorDataset]:
+def make_data(seed: int, dtype: torch.dtype = torch.float32) -> tuple[TensorDataset, TensorDataset]:
     """A task with a known answer: the label is the argmax of a fixed random linear map of x."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(N_TRAIN + N_EVAL, N_FEATURES, generator=g)
     teacher = torch.randn(N_FEATURES, N_CLASSES, generator=g)
     y = (x @ teacher).argmax(dim=1)
+    x = x.to(dtype)  # after the labels: the same task in either --dtype
     return TensorDataset(x[:N_TRAIN], y[:N_TRAIN]), TensorDataset(x[N_TRAIN:], y[N_TRAIN:])
 
 
@@ -48,9 +50,9 @@ class Net(nn.Module):
 
 
 def load_train_objs(args: argparse.Namespace, device: torch.device):
-    train_set, eval_set = make_data(args.seed)
-    torch.manual_seed(args.seed)  # the same initial weights in every stage
-    model = Net().to(device)
+    train_set, eval_set = make_data(args.seed, DTYPES[args.dtype])
+    torch.manual_seed(args.seed)  # the same initial weights in every stage (drawn in float32, then cast)
+    model = Net().to(device, DTYPES[args.dtype])
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     return train_set, eval_set, model, optimizer
 
@@ -60,6 +62,14 @@ def prepare_dataloader(dataset: Dataset, batch_size: int) -> DataLoader:
     # order torch.randperm(N, seed + e): the order DistributedSampler uses in stage 03.
     sampler = RandomSampler(dataset, generator=torch.Generator())
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int) -> dict:
+    """Weights and momentum after `epoch` epochs, on the CPU: tour.py replays each epoch from them."""
+    params = list(model.parameters())
+    return {"epoch": epoch, "params": [p.detach().cpu().clone() for p in params],
+            "momentum": [optimizer.state[p]["momentum_buffer"].cpu().clone() if p in optimizer.state else None
+                         for p in params]}
 
 
 class Trainer:
@@ -72,6 +82,7 @@ class Trainer:
         self.seed = seed
         self.losses: list[float] = []
         self.steps = 0
+        self.trajectory: list[dict] = []  # state_of() at the start and after every epoch
 
     def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
@@ -83,15 +94,17 @@ class Trainer:
 
     def _run_epoch(self, epoch: int) -> float:
         self.train_loader.sampler.generator.manual_seed(self.seed + epoch)
-        total = torch.zeros((), device=self.device)
+        total = torch.zeros((), device=self.device, dtype=torch.float64)  # float64 in either --dtype: stages compare it
         for x, y in self.train_loader:
             total += self._run_batch(x.to(self.device), y.to(self.device))
         return total.item() / len(self.train_loader)  # one .item() per epoch: no GPU sync per step
 
     def train(self, epochs: int) -> None:
+        self.trajectory.append(state_of(self.model, self.optimizer, 0))
         for epoch in range(epochs):
             start = time.perf_counter()
             self.losses.append(self._run_epoch(epoch))
+            self.trajectory.append(state_of(self.model, self.optimizer, epoch + 1))
             print(f"epoch {epoch + 1}/{epochs} | train loss {self.losses[-1]:.4f} "
                   f"| {time.perf_counter() - start:.2f}s")
 
@@ -109,9 +122,10 @@ def evaluate(model: nn.Module, dataset: Dataset, device: torch.device) -> tuple[
     return loss_sum, correct, len(dataset)
 
 
-def write_summary(out: Path, summary: dict, model: nn.Module) -> None:
+def write_summary(out: Path, summary: dict, model: nn.Module, trajectory: list[dict]) -> None:
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     torch.save(model.state_dict(), out / "model.pt")
+    torch.save(trajectory, out / "trajectory.pt")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -142,7 +156,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=positive(float), default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--out", type=Path, help="write summary.json and model.pt here")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                   help="float64 rounds 5e8 times finer than float32: for checking results, not for speed")
+    p.add_argument("--out", type=Path, help="write summary.json, model.pt and trajectory.pt here")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("argument --device: cuda asked but no GPU is visible; use --device cpu (or auto)")
@@ -177,12 +193,12 @@ def train(device: torch.device, args: argparse.Namespace) -> None:
         summary = {
             "stage": STAGE, "world_size": 1, "backend": None, "device": device.type,
             "global_batch": args.batch_size, "batch_size": args.batch_size, "epochs": args.epochs,
-            "lr": args.lr, "seed": args.seed, "steps": trainer.steps, "losses": trainer.losses,
+            "lr": args.lr, "dtype": args.dtype, "seed": args.seed, "steps": trainer.steps, "losses": trainer.losses,
             "eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_count": count,
             "replica_max_abs_diff": 0.0, "seconds": seconds,
             "samples_per_s": trainer.steps * args.batch_size / seconds,
         }
-        write_summary(args.out, summary, model)
+        write_summary(args.out, summary, model, trainer.trajectory)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,14 +30,16 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, Te
 STAGE = "04_ddp_torchrun"
 N_TRAIN, N_EVAL = 4096, 1001  # 1001 is odd: the held-out set never splits evenly over 2, 4 or 8 ranks
 N_FEATURES, N_CLASSES, HIDDEN = 8, 4, 64
+DTYPES = {"float32": torch.float32, "float64": torch.float64}  # --dtype
 
 
-def make_data(seed: int) -> tuple[TensorDataset, TensorDataset]:
+def make_data(seed: int, dtype: torch.dtype = torch.float32) -> tuple[TensorDataset, TensorDataset]:
     """A task with a known answer: the label is the argmax of a fixed random linear map of x."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(N_TRAIN + N_EVAL, N_FEATURES, generator=g)
     teacher = torch.randn(N_FEATURES, N_CLASSES, generator=g)
     y = (x @ teacher).argmax(dim=1)
+    x = x.to(dtype)  # after the labels: the same task in either --dtype
     return TensorDataset(x[:N_TRAIN], y[:N_TRAIN]), TensorDataset(x[N_TRAIN:], y[N_TRAIN:])
 
 
@@ -54,9 +56,9 @@ class Net(nn.Module):
 
 
 def load_train_objs(args: argparse.Namespace, device: torch.device):
-    train_set, eval_set = make_data(args.seed)
-    torch.manual_seed(args.seed)  # the same initial weights in every stage
-    model = Net().to(device)
+    train_set, eval_set = make_data(args.seed, DTYPES[args.dtype])
+    torch.manual_seed(args.seed)  # the same initial weights in every stage (drawn in float32, then cast)
+    model = Net().to(device, DTYPES[args.dtype])
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     return train_set, eval_set, model, optimizer
 
@@ -66,6 +68,14 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, rank: int, world_size:
     # positions r, r+W, r+2W, ...: so the ranks' step k together covers stage 01's step k at batch W*b.
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int) -> dict:
+    """Weights and momentum after `epoch` epochs, on the CPU: tour.py replays each epoch from them."""
+    params = list(model.parameters())
+    return {"epoch": epoch, "params": [p.detach().cpu().clone() for p in params],
+            "momentum": [optimizer.state[p]["momentum_buffer"].cpu().clone() if p in optimizer.state else None
+                         for p in params]}
 
 
 class Trainer:
@@ -78,6 +88,7 @@ class Trainer:
         self.master_process = master_process  # rank 0 alone logs and saves
         self.losses: list[float] = []
         self.steps = 0
+        self.trajectory: list[dict] = []  # state_of() at the start and after every epoch
 
     def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
@@ -89,16 +100,18 @@ class Trainer:
 
     def _run_epoch(self, epoch: int) -> float:
         self.train_loader.sampler.set_epoch(epoch)  # without it, every epoch repeats epoch 0's order
-        total = torch.zeros((), device=self.device)
+        total = torch.zeros((), device=self.device, dtype=torch.float64)  # float64 in either --dtype: stages compare it
         for x, y in self.train_loader:
             total += self._run_batch(x.to(self.device), y.to(self.device))
         dist.all_reduce(total)  # each rank saw different samples: the mean over ranks is stage 01's loss
         return total.item() / (len(self.train_loader) * dist.get_world_size())
 
     def train(self, epochs: int) -> None:
+        self.trajectory.append(state_of(self.model, self.optimizer, 0))
         for epoch in range(epochs):
             start = time.perf_counter()
             self.losses.append(self._run_epoch(epoch))
+            self.trajectory.append(state_of(self.model, self.optimizer, epoch + 1))
             if self.master_process:
                 print(f"epoch {epoch + 1}/{epochs} | train loss {self.losses[-1]:.4f} "
                       f"| {time.perf_counter() - start:.2f}s")
@@ -137,9 +150,10 @@ def replica_max_abs_diff(model: nn.Module) -> float:
     return max((g - gathered[0]).abs().max().item() for g in gathered)
 
 
-def write_summary(out: Path, summary: dict, model: nn.Module) -> None:
+def write_summary(out: Path, summary: dict, model: nn.Module, trajectory: list[dict]) -> None:
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     torch.save(model.state_dict(), out / "model.pt")
+    torch.save(trajectory, out / "trajectory.pt")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -170,7 +184,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=positive(float), default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--out", type=Path, help="write summary.json and model.pt here")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                   help="float64 rounds 5e8 times finer than float32: for checking results, not for speed")
+    p.add_argument("--out", type=Path, help="write summary.json, model.pt and trajectory.pt here")
     p.add_argument("--timeout", type=positive(float), default=60.0,
                    help="seconds a collective waits for the other ranks before the job fails")
     args = p.parse_args(argv)
@@ -235,12 +251,12 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         summary = {
             "stage": STAGE, "world_size": world_size, "backend": dist.get_backend(), "device": device.type,
             "global_batch": global_batch, "batch_size": args.batch_size, "epochs": args.epochs,
-            "lr": args.lr, "seed": args.seed, "steps": trainer.steps, "losses": trainer.losses,
+            "lr": args.lr, "dtype": args.dtype, "seed": args.seed, "steps": trainer.steps, "losses": trainer.losses,
             "eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_count": count,
             "replica_max_abs_diff": max_diff, "seconds": seconds,
             "samples_per_s": trainer.steps * global_batch / seconds,
         }
-        write_summary(args.out, summary, raw_model)
+        write_summary(args.out, summary, raw_model, trainer.trajectory)
     if max_diff != 0:  # every rank computed the same max_diff, so all stop here together
         raise RuntimeError(f"replicas diverged (max |difference| {max_diff:.3g}): gradients were not synchronised")
 

@@ -31,14 +31,16 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, Te
 STAGE = "06_checkpoint"
 N_TRAIN, N_EVAL = 4096, 1001  # 1001 is odd: the held-out set never splits evenly over 2, 4 or 8 ranks
 N_FEATURES, N_CLASSES, HIDDEN = 8, 4, 64
+DTYPES = {"float32": torch.float32, "float64": torch.float64}  # --dtype
 
 
-def make_data(seed: int) -> tuple[TensorDataset, TensorDataset]:
+def make_data(seed: int, dtype: torch.dtype = torch.float32) -> tuple[TensorDataset, TensorDataset]:
     """A task with a known answer: the label is the argmax of a fixed random linear map of x."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(N_TRAIN + N_EVAL, N_FEATURES, generator=g)
     teacher = torch.randn(N_FEATURES, N_CLASSES, generator=g)
     y = (x @ teacher).argmax(dim=1)
+    x = x.to(dtype)  # after the labels: the same task in either --dtype
     return TensorDataset(x[:N_TRAIN], y[:N_TRAIN]), TensorDataset(x[N_TRAIN:], y[N_TRAIN:])
 
 
@@ -55,9 +57,9 @@ class Net(nn.Module):
 
 
 def load_train_objs(args: argparse.Namespace, device: torch.device):
-    train_set, eval_set = make_data(args.seed)
-    torch.manual_seed(args.seed)  # the same initial weights in every stage
-    model = Net().to(device)
+    train_set, eval_set = make_data(args.seed, DTYPES[args.dtype])
+    torch.manual_seed(args.seed)  # the same initial weights in every stage (drawn in float32, then cast)
+    model = Net().to(device, DTYPES[args.dtype])
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     return train_set, eval_set, model, optimizer
 
@@ -69,14 +71,14 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, rank: int, world_size:
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
 
 
-SNAPSHOT_KEYS = {"model", "optimizer", "epochs_run", "losses", "steps", "rng_state", "seed", "global_batch"}
+SNAPSHOT_KEYS = {"model", "optimizer", "epochs_run", "losses", "steps", "rng_state", "seed", "global_batch", "dtype"}
 
 
 class SnapshotError(Exception):
     """A --snapshot file that cannot be resumed from: reported in one line, exit status 2."""
 
 
-def load_snapshot(path: Path, device: torch.device, seed: int, global_batch: int) -> dict | None:
+def load_snapshot(path: Path, device: torch.device, seed: int, global_batch: int, dtype: str) -> dict | None:
     """Read and check a snapshot; None if there is none yet."""
     if not path.exists():
         return None
@@ -94,10 +96,19 @@ def load_snapshot(path: Path, device: torch.device, seed: int, global_batch: int
         if isinstance(snapshot["model"], dict) else None
     if found != expected:
         raise SnapshotError(f"{path} holds another model's weights (keys or shapes differ from this Net)")
-    if (snapshot["seed"], snapshot["global_batch"]) != (seed, global_batch):
-        raise SnapshotError(f"{path} was made with --seed {snapshot['seed']} and global batch "
-                            f"{snapshot['global_batch']}; resume with the same, or use another --snapshot")
+    if (snapshot["seed"], snapshot["global_batch"], snapshot["dtype"]) != (seed, global_batch, dtype):
+        raise SnapshotError(f"{path} was made with --seed {snapshot['seed']}, global batch "
+                            f"{snapshot['global_batch']} and --dtype {snapshot['dtype']}; resume with the same, "
+                            f"or use another --snapshot")
     return snapshot
+
+
+def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int) -> dict:
+    """Weights and momentum after `epoch` epochs, on the CPU: tour.py replays each epoch from them."""
+    params = list(model.parameters())
+    return {"epoch": epoch, "params": [p.detach().cpu().clone() for p in params],
+            "momentum": [optimizer.state[p]["momentum_buffer"].cpu().clone() if p in optimizer.state else None
+                         for p in params]}
 
 
 class Trainer:
@@ -111,6 +122,7 @@ class Trainer:
         self.master_process = master_process  # rank 0 alone logs and saves
         self.losses: list[float] = []
         self.steps = 0
+        self.trajectory: list[dict] = []  # state_of() at the start and after every epoch
         self.snapshot_path = snapshot_path
         self.save_every = save_every
         self.seed = seed
@@ -132,6 +144,7 @@ class Trainer:
             "epochs_run": self.epochs_run, "losses": self.losses, "steps": self.steps,
             "rng_state": torch.get_rng_state(),  # the data order comes from seed + epoch; this covers the rest
             "seed": self.seed, "global_batch": self.train_loader.batch_size * dist.get_world_size(),
+            "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
         }
         # Write a temporary file in the same directory, then rename it over the old snapshot: the
         # rename is atomic, so a crash mid-write leaves the previous snapshot whole.
@@ -155,16 +168,18 @@ class Trainer:
 
     def _run_epoch(self, epoch: int) -> float:
         self.train_loader.sampler.set_epoch(epoch)  # without it, every epoch repeats epoch 0's order
-        total = torch.zeros((), device=self.device)
+        total = torch.zeros((), device=self.device, dtype=torch.float64)  # float64 in either --dtype: stages compare it
         for x, y in self.train_loader:
             total += self._run_batch(x.to(self.device), y.to(self.device))
         dist.all_reduce(total)  # each rank saw different samples: the mean over ranks is stage 01's loss
         return total.item() / (len(self.train_loader) * dist.get_world_size())
 
     def train(self, epochs: int) -> None:
+        self.trajectory.append(state_of(self.model, self.optimizer, self.epochs_run))
         for epoch in range(self.epochs_run, epochs):  # a resumed run starts after the snapshot's last epoch
             start = time.perf_counter()
             self.losses.append(self._run_epoch(epoch))
+            self.trajectory.append(state_of(self.model, self.optimizer, epoch + 1))
             self.epochs_run = epoch + 1
             if self.master_process:
                 print(f"epoch {epoch + 1}/{epochs} | train loss {self.losses[-1]:.4f} "
@@ -210,9 +225,10 @@ def replica_max_abs_diff(model: nn.Module) -> float:
     return max((g - gathered[0]).abs().max().item() for g in gathered)
 
 
-def write_summary(out: Path, summary: dict, model: nn.Module) -> None:
+def write_summary(out: Path, summary: dict, model: nn.Module, trajectory: list[dict]) -> None:
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     torch.save(model.state_dict(), out / "model.pt")
+    torch.save(trajectory, out / "trajectory.pt")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -243,7 +259,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=positive(float), default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--out", type=Path, help="write summary.json and model.pt here")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                   help="float64 rounds 5e8 times finer than float32: for checking results, not for speed")
+    p.add_argument("--out", type=Path, help="write summary.json, model.pt and trajectory.pt here")
     p.add_argument("--timeout", type=positive(float), default=60.0,
                    help="seconds a collective waits for the other ranks before the job fails")
     p.add_argument("--snapshot", type=Path, help="snapshot file: resumed from if it exists, written during training")
@@ -350,7 +368,7 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         summary = {
             "stage": STAGE, "world_size": world_size, "backend": dist.get_backend(), "device": device.type,
             "global_batch": global_batch, "batch_size": args.batch_size, "epochs": args.epochs,
-            "lr": args.lr, "seed": args.seed, "steps": trainer.steps, "losses": trainer.losses,
+            "lr": args.lr, "dtype": args.dtype, "seed": args.seed, "steps": trainer.steps, "losses": trainer.losses,
             "eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_count": count,
             "replica_max_abs_diff": max_diff, "seconds": seconds,
             "nodes": len({p["node"] for p in layout}), "layout": layout,
@@ -358,7 +376,7 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
             "resumed_from_epoch": resumed_from,
             "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         }
-        write_summary(args.out, summary, raw_model)
+        write_summary(args.out, summary, raw_model, trainer.trajectory)
     if max_diff != 0:  # every rank computed the same max_diff, so all stop here together
         raise RuntimeError(f"replicas diverged (max |difference| {max_diff:.3g}): gradients were not synchronised")
 
@@ -383,8 +401,8 @@ def main(argv: list[str] | None = None) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device("cuda", local_rank) if pick_device(args.device).type == "cuda" else torch.device("cpu")
     try:  # read the snapshot before joining the group: a bad file is one line and exit 2 on every rank
-        snapshot = load_snapshot(args.snapshot, device, args.seed, args.batch_size * world_size) \
-            if args.snapshot is not None else None
+        snapshot = None if args.snapshot is None else \
+            load_snapshot(args.snapshot, device, args.seed, args.batch_size * world_size, args.dtype)
     except SnapshotError as e:
         print(f"{STAGE}/train.py: error: argument --snapshot: {e}", file=sys.stderr)
         sys.exit(2)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import difflib
-import importlib.util
 import os
 import shlex
 import shutil
@@ -21,20 +20,29 @@ import sys
 import textwrap
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tour import TORCHRUN, Run, Step, max_abs_diff, plan, run_job  # noqa: E402  (after the path is set)
+from tour import (  # noqa: E402  (after the path is set)
+    TORCHRUN,
+    Run,
+    Step,
+    load_stage,
+    max_abs_diff,
+    plan,
+    replay_error,
+    run_job,
+    tolerance,
+)
 
 RUNS = Path(os.environ.get("NOTEBOOK_RUNS") or ROOT / "runs" / "notebooks")
-WORLD, BATCH, EPOCHS = 2, 32, 8  # 2 processes of batch 32 = global batch 64; 8 short epochs
-ATOL = 1e-5  # the tour's tolerance for "the same weights"
-__all__ = ["ATOL", "BATCH", "EPOCHS", "ROOT", "RUNS", "TORCHRUN", "WORLD", "Run", "Setup", "Step", "compare",
+WORLD, BATCH, EPOCHS, DTYPE = 2, 32, 8, "float64"  # 2 processes of batch 32 = global batch 64; 8 short epochs
+ATOL = tolerance(DTYPE)  # the tour's: sqrt(eps) of float64 (README.md: "Same weights, up to rounding")
+__all__ = ["ATOL", "BATCH", "DTYPE", "EPOCHS", "ROOT", "RUNS", "TORCHRUN", "WORLD", "Run", "Setup", "Step", "compare",
            "load_stage", "max_abs_diff", "plot_runs", "run", "setup", "show", "show_diff", "show_outline", "shown",
-           "with_args"]
+           "tolerance", "with_args"]
 
 
 def _in_kernel() -> bool:
@@ -86,19 +94,8 @@ def setup() -> Setup:
     device = "auto" if gpus >= 2 else "cpu"
     where = f"{gpus} GPUs: nccl" if gpus >= 2 else "the CPU: gloo" + (" (1 GPU is not enough to split)" if gpus else "")
     print(f"torch {torch.__version__} | {where} | world size {WORLD}, batch {BATCH} per process "
-          f"= {WORLD * BATCH} global | {EPOCHS} epochs | runs in {RUNS}")
-    return Setup(gpus, device, tuple(plan(WORLD, BATCH, EPOCHS, device)))
-
-
-def load_stage(stage: str) -> ModuleType:
-    """Import a stage's train.py as a module: its classes and functions, without running anything."""
-    name = f"stage_{stage}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / stage / "train.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # inspect.getsource() finds classes through sys.modules
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+          f"= {WORLD * BATCH} global | {EPOCHS} epochs | {DTYPE} | runs in {RUNS}")
+    return Setup(gpus, device, tuple(plan(WORLD, BATCH, EPOCHS, device, DTYPE, gpus if gpus >= 2 else 0)))
 
 
 def with_args(step: Step, **flags: str | int) -> Step:
@@ -175,16 +172,22 @@ def show_outline(stage: str) -> None:
 
 
 def compare(reference: Run, runs: dict[str, Run], ref_label: str = "01 (one process)") -> dict[str, float]:
-    """A table of the runs against `reference` (stage 01): returns each run's largest |Δweight| from it."""
+    """A table of the runs against `reference` (stage 01), as the tour checks them.
+
+    Returns, per run, the larger of its final weights' largest |Δ| from the reference and its epoch
+    replay error (each epoch it recorded, replayed with stage 01's code: tour.replay_error).
+    """
     ref_model = reference.model
     rows = ["| run | processes | backend/device | global batch | last epoch's loss | held-out accuracy "
-            "| max \\|Δw\\| vs 01 | wall s |", "|---|---|---|---|---|---|---|---|"]
+            "| max \\|Δw\\| vs 01 | epoch replay | wall s |", "|---|---|---|---|---|---|---|---|---|"]
     diffs = {}
     for label, r in {ref_label: reference, **runs}.items():
         s = r.summary
-        diffs[label] = max_abs_diff(ref_model, r.model)
+        final, replay = max_abs_diff(ref_model, r.model), replay_error(s, r.trajectory)
+        diffs[label] = max(final, replay)
         rows.append(f"| {label} | {s['world_size']} | {s['backend'] or '-'}/{s['device']} | {s['global_batch']} "
-                    f"| {s['losses'][-1]:.4f} | {s['eval_accuracy']:.2%} | {diffs[label]:.1e} | {r.seconds:.1f} |")
+                    f"| {s['losses'][-1]:.4f} | {s['eval_accuracy']:.2%} | {final:.1e} | {replay:.1e} "
+                    f"| {r.seconds:.1f} |")
     _markdown("\n".join(rows))
     del diffs[ref_label]
     return diffs

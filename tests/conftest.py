@@ -2,7 +2,8 @@
 
 A 2-rank launch costs ~10 s here (torch import, first DDP()), so the suite is built around few runs.
 The configurations are the tour's plan on gloo/CPU: W ranks of batch B for the distributed stages,
-batch W*B for the single-process ones, so all of them should reach the same weights.
+batch W*B for the single-process ones, so all of them should reach the same weights. They run in
+float64, as the tour does by default: rounding then stays ~1e-15, far from anything a bug changes.
 """
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 
 from harness import Run, check, launch, plan
 
-W, B = 2, 32
-STEPS = plan(W, B, device="cpu")
+W, B, DTYPE = 2, 32, "float64"
+STEPS = plan(W, B, device="cpu", dtype=DTYPE, gpus=0)
 # Names the tests use: the stage's number, plus "_python" for stage 04 run without torchrun.
 CONFIGS = {(s.stage[:2] + ("_python" if s.stage.startswith("04") and s.launcher == "python" else "")): s
            for s in STEPS}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import CONFIGS
-from harness import Job, Step, check, launch, load_stage, max_abs_diff, workers
+from harness import Job, Step, assert_same_training, check, launch, load_stage, max_abs_diff, workers
 
 STAGE = "06_checkpoint"
 
@@ -39,6 +39,10 @@ def test_resume_is_exact(runs, snapshot_after_8_epochs, tmp_path):
     assert second.summary["losses"] == full.summary["losses"]  # the first 8 come from the snapshot
     assert second.summary["steps"] == full.summary["steps"]
     assert max_abs_diff(second.model, full.model) == 0.0
+    for resumed, uninterrupted in zip(second.trajectory, full.trajectory[8:], strict=True):  # the very states
+        assert resumed["epoch"] == uninterrupted["epoch"]
+        assert all(map(torch.equal, resumed["params"] + resumed["momentum"],
+                       uninterrupted["params"] + uninterrupted["momentum"]))
 
 
 def _epochs_in(snapshot: Path) -> int:
@@ -95,4 +99,5 @@ def test_stage_07_resumes_from_a_stage_06_snapshot(runs, snapshot_after_8_epochs
     run = check(launch(with_args(CONFIGS["07"], "--snapshot", str(snapshot)), out=tmp_path / "out"))
     assert "after epoch 8" in run.stdout and run.summary["resumed_from_epoch"] == 8
     assert run.summary["losses"][:8] == runs["06"].summary["losses"][:8]
-    assert max_abs_diff(run.model, runs["01"].model) <= 1e-5
+    assert run.trajectory[0]["epoch"] == 8  # the replay checks the epochs 07 trained itself
+    assert_same_training(run, runs["01"])

@@ -1,42 +1,84 @@
-"""The tutorial's central claim: W ranks of batch b reach the weights of one process with batch W*b.
+"""The tutorial's central claim: W ranks of batch b compute the training of one process with batch W*b.
 
-The negative controls show the comparison is sharp enough to fail: drop set_epoch, change the
-global batch, or remove DDP, and the weights (or the replicas) differ.
+Checked as the tour checks it (harness.assert_same_training): every epoch a run recorded replays
+with stage 01's own code to within sqrt(eps) of its dtype, and its final weights match stage 01's.
+The negative controls show the check is sharp enough to fail: drop set_epoch, shrink the real
+batch, change the initial weights, or remove DDP, and the replay (or the replicas) differ by far more.
 """
 from __future__ import annotations
 
 import pytest
 
-from conftest import CONFIGS, B
-from harness import Step, check, launch, max_abs_diff, mutate
+from conftest import CONFIGS, DTYPE
+from harness import Run, Step, assert_same_training, check, launch, max_abs_diff, mutate, replay_error, tolerance
 
-ATOL = 1e-5
+BUG = 1e-3  # a broken stage's epoch replay is off by 1e-1 here; 1e-3 is still 1e5 times the tolerance
 
 
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n != "01"])
-def test_same_weights_as_stage_01(runs, name):
-    diff = max_abs_diff(runs["01"].model, runs[name].model)
-    assert diff <= ATOL, f"{name} differs from 01 by {diff:.3g}"
+def test_same_training_as_stage_01(runs, name):
+    assert_same_training(runs[name], runs["01"])
+
+
+def test_stage_01_replays_itself_exactly(runs):
+    # The replay is stage 01's own code on the CPU: for stage 01's CPU run, it must agree to the bit.
+    assert replay_error(runs["01"].summary, runs["01"].trajectory) == 0.0
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_trajectory_is_the_run_itself(runs, name):
+    """What the replay reads is what the run trained: one state per epoch, in the run's dtype, ending at model.pt."""
+    s, trajectory, model = runs[name].summary, runs[name].trajectory, runs[name].model
+    assert [t["epoch"] for t in trajectory] == list(range(s["epochs"] + 1))
+    assert all(p.dtype.is_floating_point and str(p.dtype) == f"torch.{DTYPE}" for p in trajectory[-1]["params"])
+    assert all(m is None for m in trajectory[0]["momentum"]) and all(m is not None for m in trajectory[1]["momentum"])
+    final = dict(zip(model, trajectory[-1]["params"], strict=True))  # state_dict order = parameters() order
+    assert max_abs_diff(model, final) == 0.0
 
 
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n != "01"])
 def test_same_losses_and_metric_as_stage_01(runs, name):
     ref, s = runs["01"].summary, runs[name].summary
-    assert s["steps"] == ref["steps"]
-    assert s["losses"] == pytest.approx(ref["losses"], rel=1e-4)
+    assert s["steps"] == ref["steps"] and s["dtype"] == ref["dtype"] == DTYPE
+    assert s["losses"] == pytest.approx(ref["losses"], rel=1e-9)
     assert s["eval_accuracy"] == ref["eval_accuracy"]
-    assert s["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-4)
+    assert s["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-9)
 
 
-def test_without_set_epoch_the_weights_differ(runs, tmp_path):
-    path = mutate("03_ddp_spawn", "self.train_loader.sampler.set_epoch(epoch)", "pass", tmp_path / "src")
-    run = check(launch(CONFIGS["03"], out=tmp_path / "out", script=path))
-    assert max_abs_diff(runs["01"].model, run.model) > 1e-3
+def replay_of_mutant(stage: str, old: str, new: str, tmp_path, step: Step | None = None) -> tuple[float, Run]:
+    """A copy of `stage` with one edit, launched as the suite does: (its epoch replay error, the run)."""
+    path = mutate(stage, old, new, tmp_path / "src")
+    run = check(launch(step or CONFIGS[stage[:2]], out=tmp_path / "out", script=path))
+    return replay_error(run.summary, run.trajectory), run
+
+
+def test_without_set_epoch_the_replay_fails(runs, tmp_path):
+    replay, run = replay_of_mutant("03_ddp_spawn", "self.train_loader.sampler.set_epoch(epoch)", "pass", tmp_path)
+    assert replay > BUG > tolerance(DTYPE)
+    assert max_abs_diff(runs["01"].model, run.model) > BUG
+
+
+def test_a_smaller_real_batch_than_reported_fails(runs, tmp_path):
+    # The summary still says global batch 64; the loader really takes 32.
+    replay, run = replay_of_mutant("04_ddp_torchrun", "prepare_dataloader(train_set, args.batch_size, rank",
+                                   "prepare_dataloader(train_set, args.batch_size // 2, rank", tmp_path,
+                                   CONFIGS["04_python"])
+    assert run.summary["global_batch"] == runs["01"].summary["global_batch"]
+    assert replay > BUG and max_abs_diff(runs["01"].model, run.model) > BUG
+
+
+def test_other_initial_weights_fail(tmp_path):
+    replay, _ = replay_of_mutant("04_ddp_torchrun", "torch.manual_seed(args.seed)  #", "torch.manual_seed(1)  #",
+                                 tmp_path, CONFIGS["04_python"])
+    assert replay > BUG
 
 
 def test_a_different_global_batch_gives_different_weights(runs, tmp_path):
-    run = check(launch(Step("01_single_gpu", "python", ("--device", "cpu", "--batch-size", str(B))), out=tmp_path))
-    assert max_abs_diff(runs["01"].model, run.model) > 1e-3
+    step = CONFIGS["01"]
+    args = list(step.args)
+    args[args.index("--batch-size") + 1] = str(int(args[args.index("--batch-size") + 1]) // 2)
+    run = check(launch(Step(step.stage, step.launcher, tuple(args)), out=tmp_path))
+    assert max_abs_diff(runs["01"].model, run.model) > BUG
 
 
 def test_without_ddp_the_replica_check_fails(tmp_path):
@@ -47,4 +89,4 @@ def test_without_ddp_the_replica_check_fails(tmp_path):
     run = launch(Step(step.stage, step.launcher, (*step.args, "--epochs", "1")), out=tmp_path / "out", script=path)
     assert run.returncode != 0 and not run.survivors, run.describe()
     assert "replicas diverged" in run.stderr
-    assert run.summary["replica_max_abs_diff"] > 1e-3
+    assert run.summary["replica_max_abs_diff"] > BUG

@@ -20,11 +20,10 @@ from pathlib import Path
 import pytest
 
 from conftest import CONFIGS
-from harness import ROOT, TORCHRUN, Run, check, free_port, launch_commands, max_abs_diff
+from harness import ROOT, TORCHRUN, Run, assert_same_training, check, free_port, launch_commands
 
 STEP = CONFIGS["05"]  # the tour's 2-node job: --device cpu --batch-size 32, one process per node
 NODES = 2
-ATOL = 1e-5
 ENV = {"OMP_NUM_THREADS": "1"}  # the two "nodes" share this machine's cores (as runs["05"] does)
 
 
@@ -40,8 +39,7 @@ def assert_same_job_as_stage_01(run: Run, runs) -> None:
     s = run.summary
     assert s["nodes"] == NODES and s["world_size"] == NODES, s["layout"]
     assert run.stdout.count("held-out:") == 1, run.stdout  # one global rank 0 in the whole job
-    diff = max_abs_diff(runs["01"].model, run.model)
-    assert diff <= ATOL, f"c10d rendezvous run differs from 01 by {diff:.3g}"
+    assert_same_training(run, runs["01"])
 
 
 def test_c10d_rendezvous_on_localhost(runs, tmp_path):

@@ -13,7 +13,7 @@ from harness import ROOT, STAGES, load_stage
 # Pieces every stage must carry word for word: the contract (data, model, flags, evaluation),
 # and from stage 03 on the distributed pieces.
 SHARED = ["make_data", "Net", "load_train_objs", "evaluate", "write_summary", "ArgumentParser", "positive",
-          "ensure_writable", "pick_device"]
+          "ensure_writable", "pick_device", "state_of"]
 SHARED_DDP = ["prepare_dataloader", "evaluate_distributed", "replica_max_abs_diff", "explain_peer_failure"]
 # Where a stage must differ, and why.
 EXPECTED_DIFFERENCES = {("07_model_parallel", "load_train_objs"): "builds the model split over two devices",

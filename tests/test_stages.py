@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import CONFIGS, B, W
+from conftest import CONFIGS, DTYPE, B, W
 from harness import Step, load_stage
 
 
@@ -22,7 +22,7 @@ def test_stage_learns_and_reports(runs, name):
     s = run.summary
     assert s["stage"] == CONFIGS[name].stage
     assert (s["world_size"], s["backend"]) == expected_world_and_backend(CONFIGS[name])
-    assert s["device"] == "cpu"
+    assert s["device"] == "cpu" and s["dtype"] == DTYPE
     assert s["global_batch"] == W * B
     assert s["steps"] == s["epochs"] * 4096 // (W * B)
     assert len(s["losses"]) == s["epochs"]

@@ -1,0 +1,59 @@
+"""The tour's plan on machines this one is not: no GPU, one GPU, two, three and four GPUs.
+
+plan() takes the GPU count as an argument, so what the tour would launch on a GPU machine is
+checked here without one: every run computes the same global batch, and no run asks for more
+GPUs than there are (one GPU is the commonest GPU a learner has).
+"""
+from __future__ import annotations
+
+import pytest
+
+from harness import plan
+
+WORLD_BATCH = 32
+
+
+def flag(step, name: str) -> str:
+    return step.args[step.args.index(name) + 1]
+
+
+def processes(step) -> int:
+    if step.launcher == "torchrun":
+        return step.nproc * step.nnodes
+    return int(flag(step, "--world-size")) if "--world-size" in step.args else 1
+
+
+def gpus_per_process(step, gpus: int) -> int:
+    """How many GPUs one process of `step` takes: 07 takes two when each process can have two."""
+    if flag(step, "--device") == "cpu" or gpus == 0:
+        return 0
+    return 2 if step.stage.startswith("07") and gpus >= 2 * step.nproc else 1
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2, 3, 4])
+def test_every_run_computes_the_same_global_batch_on_the_gpus_there_are(gpus):
+    world = gpus if gpus >= 2 else 2
+    steps = plan(world, WORLD_BATCH, dtype="float64", gpus=gpus)
+    assert [s.stage[:2] for s in steps][:2] == ["01", "02"] and {s.stage[:2] for s in steps} >= set("01 03 07".split())
+    for step in steps:
+        assert processes(step) * int(flag(step, "--batch-size")) == world * WORLD_BATCH, step
+        assert flag(step, "--dtype") == "float64"
+        on_node = step.nproc if step.launcher == "torchrun" else processes(step)  # processes sharing a node's GPUs
+        assert on_node * gpus_per_process(step, gpus) <= gpus, f"{step} needs more than {gpus} GPU(s)"
+        if gpus == 0:
+            assert flag(step, "--device") != "cuda", step
+
+
+def test_one_gpu_runs_single_processes_on_it_and_the_rest_on_the_cpu():
+    steps = plan(2, WORLD_BATCH, gpus=1)
+    on_gpu = [(s.stage[:2], s.launcher) for s in steps if flag(s, "--device") == "cuda"]
+    assert on_gpu == [("01", "python"), ("02", "python"), ("04", "python"), ("04", "torchrun")]
+    assert all(processes(s) == 1 for s in steps if flag(s, "--device") == "cuda")
+    assert all(processes(s) == 2 and flag(s, "--device") == "cpu" for s in steps if flag(s, "--device") != "cuda")
+
+
+def test_two_gpus_per_process_for_07_where_there_are_enough():
+    seven = {g: next(s for s in plan(g, WORLD_BATCH, gpus=g) if s.stage.startswith("07")) for g in (2, 3, 4)}
+    assert (seven[4].nproc, flag(seven[4], "--batch-size")) == (2, "64")  # 2 processes x 2 GPUs
+    assert (seven[2].nproc, flag(seven[2], "--batch-size")) == (1, "64")
+    assert seven[3].nproc == 3  # an odd count: one GPU per process, both halves on it
