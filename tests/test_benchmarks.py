@@ -163,3 +163,55 @@ def test_bad_flag_is_one_line_and_exit_2(script, flags, flag):
     run = run_script(script, *flags, timeout=60)
     assert run.returncode == 2 and run.stdout == "", run.describe()
     assert run.stderr.strip().count("\n") == 0 and flag in run.stderr, run.stderr
+
+
+# --- benchmarks/rounding.py ---------------------------------------------------------------------
+
+ROUNDING_EPOCHS = 3
+
+
+def test_rounding_measures_drift_and_replay(tmp_path):
+    """Stage 01 vs simulated DDP: float64 drifts less than float32, every correct epoch replays within
+    sqrt(eps), every broken run is caught (`no set_epoch` from its second epoch: its first is stage 01's)."""
+    from tour import tolerance
+
+    run = check(run_script("benchmarks/rounding.py", "--epochs", str(ROUNDING_EPOCHS), "--no-check", out=tmp_path))
+    columns, rows = read_csv(tmp_path / "rounding.csv")
+    assert columns == ["run", "dtype", "lr", "world_size", "batch_per_rank", "global_batch", "epoch", "steps",
+                       "max_dw_end", "max_dw_epoch_max", "replay_error", "tolerance", "train_loss", "batch_flips",
+                       "relu_flips", "samples_with_flip", "max_abs_logit"]
+    correct = [r for r in rows if not r["run"].startswith("broken")]
+    broken = [r for r in rows if r["run"].startswith("broken")]
+    assert {(r["dtype"], float(r["lr"])) for r in correct} == {(d, lr) for d in ("float32", "float64")
+                                                              for lr in (0.05, 0.01)}
+    assert {r["run"] for r in broken} == {"broken: no set_epoch", "broken: global batch b"}
+    assert len(correct) == 4 * ROUNDING_EPOCHS and len(broken) == 2 * ROUNDING_EPOCHS
+    for r in rows:
+        assert [int(r["world_size"]), int(r["batch_per_rank"]), int(r["global_batch"])] == [2, 32, 64], r
+        assert 1 <= int(r["epoch"]) <= ROUNDING_EPOCHS and float(r["train_loss"]) > 0, r
+        assert float(r["tolerance"]) == pytest.approx(tolerance(r["dtype"]), rel=1e-5), r
+        assert float(r["replay_error"]) >= 0 and float(r["max_abs_logit"]) > 0, r
+    for r in correct:
+        assert 0 <= float(r["max_dw_end"]) <= float(r["max_dw_epoch_max"]), r
+        assert int(r["relu_flips"]) >= int(r["samples_with_flip"]) >= 0 and int(r["batch_flips"]) >= 0, r
+    gap = {(r["dtype"], r["lr"], r["epoch"]): float(r["max_dw_end"]) for r in correct}
+    for (dtype, lr, epoch), g in gap.items():
+        if dtype == "float64":
+            assert 0 <= g < gap["float32", lr, epoch], (lr, epoch, g)
+    for r in correct:
+        assert float(r["replay_error"]) <= tolerance(r["dtype"]), r
+    for r in broken:
+        first_epoch_of_stage_01 = r["run"] == "broken: no set_epoch" and r["epoch"] == "1"
+        assert (float(r["replay_error"]) <= tolerance(r["dtype"])) if first_epoch_of_stage_01 else \
+            (float(r["replay_error"]) > 1e-3), r
+    assert_png(tmp_path / "rounding.png")
+    assert "worst replay" in run.stdout and "caught" in run.stdout and "MISSED" not in run.stdout
+    assert "FAILS" not in run.stdout and "wrote " in run.stdout
+
+
+@pytest.mark.parametrize(("flags", "flag"), [(["--lrs", "0.05,-1"], "--lrs"), (["--dtypes", "float16"], "--dtypes"),
+                                             (["--batch-size", "48"], "--batch-size")])
+def test_rounding_bad_flag_is_one_line_and_exit_2(flags, flag):
+    run = run_script("benchmarks/rounding.py", *flags, timeout=60)
+    assert run.returncode == 2 and run.stdout == "", run.describe()
+    assert run.stderr.strip().count("\n") == 0 and flag in run.stderr, run.stderr
