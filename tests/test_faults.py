@@ -7,10 +7,21 @@ holds, a node that never comes, a read-only or full disk, bad files and bad valu
 carry no test hooks.
 
 The cases run concurrently, once per session: most of their time is spent waiting for a timeout.
+
+Bad values (every flag of every stage has one) are checked in this process, by calling the stage's
+parse_args(): every check of a value is there, and main() calls it before anything else
+(test_main_checks_values_before_anything_else). Launching the script for each would spend ~3 s of
+CPU importing torch, ~80 times. One bad value per stage is still launched for real, proving the
+script refuses in one line and exit 2 before training; bad snapshot files are checked in main(),
+after parse_args, so they are all launched.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
+import importlib.util
+import io
+import os
 import re
 import signal
 import socket
@@ -19,12 +30,28 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import ModuleType
+from unittest import mock
 
 import pytest
 import torch
 
 from conftest import CONFIGS
-from harness import ROOT, STAGES, TORCHRUN, Fault, Run, Step, check, free_port, launch, launch_commands, load_stage
+from harness import (
+    ROOT,
+    STAGES,
+    TORCHRUN,
+    Fault,
+    Run,
+    Step,
+    check,
+    clean_env,
+    free_port,
+    launch,
+    launch_commands,
+    load_stage,
+    mutate,
+)
 
 DDP_STAGES = [s for s in STAGES if s >= "03"]
 SNAPSHOT_STAGES = ["06_checkpoint", "07_model_parallel"]
@@ -32,6 +59,9 @@ TIMEOUT = 5  # --timeout in the stall cases: how long the healthy ranks wait for
 LAUNCHER_GRACE = 30  # mp.spawn and torchrun wait this long for a worker to obey SIGTERM before SIGKILL
 SLACK = 15  # scheduling on a busy 2-core machine
 START = 40  # a fault present at start: importing torch (3 s alone), several jobs at once
+# Cases launched at once. The 3 stalls and 2 lone nodes mostly wait, so 6 keeps the 2 cores busy with the rest:
+# the battery took 2m02 with 4, 1m38 with 6, 1m46 with 8 here (2 cores, shared); the bounds above held in each.
+POOL = 6
 
 
 @dataclass
@@ -168,6 +198,8 @@ def write_bad_snapshot(kind: str, path: Path, place: Place) -> None:
         snapshot = torch.load(path, weights_only=True)
         if kind == "other_model":
             snapshot["model"] = {"layer.weight": torch.zeros(3, 3), "layer.bias": torch.zeros(3)}
+        elif kind == "other_dtype":  # float64 weights would be cast to float32 silently: no exact resume
+            snapshot["dtype"] = "float64"
         else:  # other_seed
             snapshot["seed"] = 7
         torch.save(snapshot, path)
@@ -186,7 +218,7 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
     """{arguments: the flag the message must name} for every flag the stage has."""
     table = {
         ("--epochs", "-1"): "--epochs", ("--batch-size", "0"): "--batch-size", ("--lr", "nan"): "--lr",
-        ("--seed", "x"): "--seed", ("--device", "tpu"): "--device",
+        ("--seed", "x"): "--seed", ("--device", "tpu"): "--device", ("--dtype", "float16"): "--dtype",
         ("--out", "{file}/sub"): "--out", ("--out", "{ro}"): "--out",
     }
     if not torch.cuda.is_available():
@@ -201,9 +233,21 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
     return table
 
 
+LAUNCHED_BAD_VALUE = ("--batch-size", "0")  # the bad value launched for real in every stage; the rest: in-process
+TYPO = ("--batchsize", "32")  # a misspelt flag: argparse's own error, also raised in parse_args
+
+
+# A stall costs ~40 s (the launcher's SIGTERM grace), so there is one per way of launching: mp.spawn (03),
+# torchrun on one node (04), two nodes (05). 06 and 07 meet a stall as 04 does: the same torchrun agent, and
+# the collective's timeout caught in main() by explain_peer_failure, word for word 04's (test_repo.py's
+# contract test). They differ from 04 only in the store ddp_setup passes (used while joining, before any
+# stall) and in 06/07's barrier after a snapshot, one more collective that times out like the others.
+STALL_STAGES = ["03_ddp_spawn", "04_ddp_torchrun", "05_multinode"]
+
+
 def cases() -> list[Case]:
     out = []
-    for stage in DDP_STAGES:  # slow first: they wait for timeouts, and run beside the rest
+    for stage in STALL_STAGES:  # slow first: they wait for timeouts, and run beside the rest
         # 05: two nodes of two ranks, so the stalled rank 1 shares node 0 with rank 0, whose failure makes
         # that node's torchrun stop it. (A node whose only worker stalls is never told: see README.md.)
         stall = replace(CONFIGS["05"], nproc=2) if stage == "05_multinode" else None
@@ -227,22 +271,21 @@ def cases() -> list[Case]:
         out.append(Case(f"{stage[:2]}-disk-full", stage, "the disk fills up before a snapshot is saved", None,
                         START, "still holds the previous snapshot", disk_fills_up(stage), also=left_alone,
                         needs="full_disk"))
-        for kind in ["truncated", "not_torch", "foreign", "payload", "other_model", "other_seed"]:
+        for kind in ["truncated", "not_torch", "foreign", "payload", "other_model", "other_seed", "other_dtype"]:
             out.append(Case(f"{stage[:2]}-snapshot-{kind}", stage, f"--snapshot is {kind.replace('_', ' ')}", 2,
                             START, "argument --snapshot: ", snapshot_file(stage, kind), one_line=True,
                             also=left_alone))
     for stage in STAGES:
-        for args, flag in bad_values(stage).items():
-            out.append(Case(f"{stage[:2]}{' '.join(args)}", stage, f"bad value {' '.join(args)}", 2, START,
-                            f"argument {flag}: ", started_with(stage, *args), one_line=True,
-                            needs="read_only" if "{ro}" in "".join(args) else None))
-        out.append(Case(f"{stage[:2]}-typo", stage, "a misspelt flag (--batchsize)", 2, START,
-                        "unrecognized arguments: --batchsize 32", started_with(stage, "--batchsize", "32"),
-                        one_line=True))
+        args, flag = LAUNCHED_BAD_VALUE, bad_values(stage)[LAUNCHED_BAD_VALUE]
+        out.append(Case(f"{stage[:2]}{' '.join(args)}", stage, f"bad value {' '.join(args)}", 2, START,
+                        f"argument {flag}: ", started_with(stage, *args), one_line=True))
     return out
 
 
 CASES = cases()
+# Checked in-process: (stage, arguments, what the one line must contain).
+REFUSALS = [(stage, args, f"argument {flag}: ") for stage in STAGES for args, flag in bad_values(stage).items()] + \
+           [(stage, TYPO, f"unrecognized arguments: {' '.join(TYPO)}") for stage in STAGES]
 
 
 # --- the place, and running every case once ------------------------------------------------------------------
@@ -261,20 +304,27 @@ def mounted(path: Path, options: str) -> Iterator[bool]:
 
 
 @pytest.fixture(scope="module")
-def place(tmp_path_factory) -> Iterator[Place]:
+def paths(tmp_path_factory) -> Iterator[Place]:
+    """The paths alone (no snapshot, no disks): all that the in-process checks need."""
     tmp = tmp_path_factory.mktemp("faults")
     a_file = tmp / "a_file"
     a_file.write_text("not a directory")
-    good = tmp / "good.pt"
-    check(launch(Step("06_checkpoint", "python", ("--device", "cpu", "--epochs", "1", "--snapshot", str(good)))))
-    good_snapshot = good.read_bytes()
     with contextlib.ExitStack() as stack:
         read_only = tmp / "read_only"
         if not stack.enter_context(mounted(read_only, "ro,size=1m")):
             read_only.chmod(0o555)  # not root: permissions make it read-only; root ignores them
             with contextlib.suppress(OSError), open(read_only / "probe", "w"):
                 read_only = None  # writable after all: those cases are skipped
+        yield Place(tmp, a_file, read_only, b"", tmp / "payload_ran", lambda: None)
 
+
+@pytest.fixture(scope="module")
+def place(paths) -> Iterator[Place]:
+    tmp = paths.tmp
+    good = tmp / "good.pt"
+    check(launch(Step("06_checkpoint", "python", ("--device", "cpu", "--epochs", "1", "--snapshot", str(good)))))
+    good_snapshot = good.read_bytes()
+    with contextlib.ExitStack() as stack:
         disks = iter(range(100))
 
         def full_disk() -> Path | None:
@@ -286,12 +336,12 @@ def place(tmp_path_factory) -> Iterator[Place]:
             return disk
 
         probe = full_disk()
-        yield Place(tmp, a_file, read_only, good_snapshot, tmp / "payload_ran", full_disk if probe else None)
+        yield replace(paths, good_snapshot=good_snapshot, full_disk=full_disk if probe else None)
 
 
 @pytest.fixture(scope="module")
 def outcomes(place, request) -> dict[str, Outcome | BaseException]:
-    """Every selected case's outcome, four cases at a time (the slow ones mostly wait)."""
+    """Every selected case's outcome, POOL cases at a time (the slow ones mostly wait)."""
     selected = [item.callspec.params["case"] for item in request.session.items
                 if item.originalname == "test_fault" and item.module is request.module]
 
@@ -303,7 +353,7 @@ def outcomes(place, request) -> dict[str, Outcome | BaseException]:
         except BaseException as e:  # pytest.fail from the launcher (a hang), or a bug: reported by the case's test
             return e
 
-    with ThreadPoolExecutor(max_workers=4) as pool:
+    with ThreadPoolExecutor(max_workers=POOL) as pool:
         return dict(zip((c.id for c in selected), pool.map(one, selected), strict=True))
 
 
@@ -330,6 +380,63 @@ def test_fault(outcomes, place, case):
         case.also(outcome, place)
 
 
+def refusal(module: ModuleType, args: tuple[str, ...]) -> tuple[object, str, str]:
+    """(exit code, stdout, stderr) of a stage's parse_args(args), in this process, as the script would see it."""
+    out, err = io.StringIO(), io.StringIO()
+    # The launchers' variables (MASTER_PORT, LOCAL_WORLD_SIZE, ...) are removed, as every launch removes them.
+    with mock.patch.dict(os.environ, clean_env(), clear=True), \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            module.parse_args(list(args))
+        except SystemExit as e:
+            return e.code, out.getvalue(), err.getvalue()
+    return "no exit: the value was accepted", out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("stage,args,message", REFUSALS, ids=[f"{s[:2]}{' '.join(a)}" for s, a, _ in REFUSALS])
+def test_bad_value_is_refused_in_one_line(paths, stage, args, message):
+    """What `python <stage>/train.py <args>` prints and exits with: parse_args is all main() runs before it."""
+    if "{ro}" in "".join(args) and paths.read_only is None:
+        pytest.skip("read_only cannot be made here (needs root to mount a tmpfs)")
+    code, out, err = refusal(load_stage(stage), with_place(args, paths))
+    where = f"{stage}/train.py {' '.join(args)}: exit {code}\nstdout: {out}\nstderr: {err}"
+    assert code == 2, where
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{stage}/train.py: error: ") and message in lines[0], where
+    assert not out, where
+
+
+def test_in_process_check_sees_a_missing_check(tmp_path):
+    """Negative control: a copy of stage 01 whose positive() accepts 0 lets --batch-size 0 through.
+
+    An exact copy refuses it: what differs is the check, not the loading.
+    """
+    def load(name: str, old: str, new: str) -> ModuleType:
+        path = mutate("01_single_gpu", old, new, tmp_path / name)
+        spec = importlib.util.spec_from_file_location(f"faults_{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    same = load("same", "if not (value > 0 and", "if not (value > 0 and")
+    broken = load("broken", "if not (value > 0 and", "if not (value >= 0 and")
+    assert refusal(same, LAUNCHED_BAD_VALUE)[0] == 2
+    code, _, err = refusal(broken, LAUNCHED_BAD_VALUE)
+    assert code != 2 and not err, f"the copy without the check still refused: exit {code}, {err!r}"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_main_checks_values_before_anything_else(stage):
+    """Why the in-process checks stand for the script: main() starts with parse_args(argv), and running the file
+    calls main(); the module's top level only defines (one real launch per stage, above, confirms the whole path)."""
+    tree = ast.parse((ROOT / stage / "train.py").read_text())
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    first = ast.unparse(main.body[0])
+    assert first == "args = parse_args(argv)", f"{stage}: main() starts with {first!r}, not parse_args(argv)"
+    entry = tree.body[-1]
+    assert ast.unparse(entry) == "if __name__ == '__main__':\n    main()", f"{stage}: does not end by calling main()"
+
+
 def test_bad_value_under_torchrun_fails_fast_with_the_line():
     run = launch(Step("04_ddp_torchrun", "torchrun", ("--batch-size", "0"), nproc=2), timeout=60)
     assert run.returncode != 0 and not run.survivors, run.describe()
@@ -337,8 +444,17 @@ def test_bad_value_under_torchrun_fails_fast_with_the_line():
 
 
 def test_every_flag_of_every_stage_has_a_bad_value_case():
-    """The battery grows with the stages: a new flag without a bad-value case fails here."""
+    """The battery grows with the stages: a new flag without a bad-value case fails here.
+
+    The flags are those the parser itself lists in its usage line, and those the source declares.
+    """
     for stage in STAGES:
-        declared = set(re.findall(r'add_argument\("(--[a-z-]+)"', (ROOT / stage / "train.py").read_text()))
-        missing = declared - set(bad_values(stage).values())
+        code, usage, _ = refusal(load_stage(stage), ("--help",))
+        assert code == 0, f"{stage}: --help exited {code}"
+        usage = usage.split("\n\n")[0]  # the usage line (wrapped), before the description
+        declared = set(re.findall(r"\[(--[a-z][a-z-]*)", usage)) - {"--help"}
+        declared |= set(re.findall(r'add_argument\("(--[a-z-]+)"', (ROOT / stage / "train.py").read_text()))
+        checked = {flag for s, _, message in REFUSALS if s == stage
+                   for flag in re.findall(r"argument (--[a-z-]+): ", message)}
+        missing = declared - checked
         assert declared and not missing, f"{stage}: no bad-value case for {sorted(missing)}"
