@@ -2,8 +2,11 @@
 
 Code blocks in README files are tagged: ```bash for commands, ```text for output. A bash block
 runs as one script from the root of a fresh copy of the repository (its `runs/` fill up there,
-not here), with this interpreter first on PATH, under a time limit. A comment line just before a
-block can say how:
+not here), with this interpreter first on PATH, under a time limit. A README's blocks run in
+order, in one copy, as a reader runs them (a later block may use what an earlier one made); three
+READMEs run at a time, each in a copy of its own: much of their time is spent starting Python and
+importing torch on one core, or waiting (for a Slurm job, a rendezvous). A comment line just
+before a block can say how:
 
     <!-- not-run: needs GPUs -->        skipped, with one of the reasons in NOT_RUN
     <!-- run: together -->              each command at once, as in two terminals, then wait for all
@@ -13,6 +16,9 @@ block can say how:
 
 Several may be combined with ";". The one change made to a command: ports written as 29xxx become
 free ports (the same one for the same number within a file), since the tests never use a fixed port.
+The copy has no `.venv`: the README's set-up line (`python3 -m venv .venv && .venv/bin/pip install
+-r requirements.txt`) really makes one and installs into it, as on a reader's fresh machine
+(~40 s here once pip's cache is warm).
 """
 from __future__ import annotations
 
@@ -20,12 +26,14 @@ import os
 import re
 import shutil
 import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from harness import ROOT, free_port, run_job, slurm_missing
+from harness import ROOT, Run, free_port, run_job, slurm_missing
 
 NOT_RUN = {  # the only reasons a command may be left out
     "needs GPUs", "needs several hosts",
@@ -86,11 +94,10 @@ def test_only_allowed_reasons_leave_a_command_out():
     assert set(reasons.values()) <= NOT_RUN, reasons
 
 
-@pytest.fixture(scope="module")
-def repo_copy(tmp_path_factory) -> Path:
-    """A fresh copy of the repository: the commands write their runs/ (and notebooks) there."""
-    copy = tmp_path_factory.mktemp("readme") / "repo"
-    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "runs", "__pycache__", ".*_cache",
+def repo_copy(parent: Path) -> Path:
+    """A fresh copy of the repository: a block's commands write their runs/ (and notebooks) there."""
+    copy = parent / "repo"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "__pycache__", ".*_cache",
                                                                ".ipynb_checkpoints", "slurm-*.out"))
     return copy
 
@@ -104,23 +111,63 @@ def with_free_ports(block: Block, text: str) -> str:
     return re.sub(r"\b29\d{3}\b", port, text)
 
 
-@pytest.mark.parametrize("block", COMMANDS, ids=[b.id for b in COMMANDS])
-def test_readme_command_runs_as_written(block, repo_copy):
+def why_skipped(block: Block) -> str | None:
     if "not-run" in block.marker:
-        pytest.skip(block.marker["not-run"])
+        return block.marker["not-run"]
     run_as = block.marker.get("run", "")
     if "as root" in run_as and os.geteuid() != 0:
-        pytest.skip("needs root (network namespaces)")
-    if "with slurm" in run_as and (why := slurm_missing()):
-        pytest.skip(why)
+        return "needs root (network namespaces)"
+    if "with slurm" in run_as:
+        return slurm_missing()
+    return None
+
+
+def run_block(block: Block, copy: Path) -> Run:
     bash = ["bash", "-euo", "pipefail", "-c"]
-    if "together" in run_as:  # as in several terminals: all at once
+    if "together" in block.marker.get("run", ""):  # as in several terminals: all at once
         cmds = [[*bash, with_free_ports(block, c)] for c in block.commands()]
     else:
         cmds = [[*bash, with_free_ports(block, block.body)]]
     env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # `python`, `torchrun`: ours
-    run = run_job(cmds, env=env, timeout=420, cwd=repo_copy)
+    return run_job(cmds, env=env, timeout=420, cwd=copy)
+
+
+@pytest.fixture(scope="module")
+def outcomes(request, tmp_path_factory) -> dict[str, Run | BaseException]:
+    """Every selected block's run: each README's blocks in order in one copy, three READMEs at a time."""
+    selected = [item.callspec.params["block"] for item in request.session.items
+                if item.originalname == "test_readme_command_runs_as_written" and item.module is request.module]
+    docs: dict[Path, list[Block]] = {}
+    for block in selected:
+        if not why_skipped(block):
+            docs.setdefault(block.doc, []).append(block)
+    tmp = tmp_path_factory.mktemp("readme")
+
+    def one_doc(blocks: list[Block]) -> dict[str, Run | BaseException]:
+        copy = repo_copy(Path(tempfile.mkdtemp(dir=tmp)))
+        done: dict[str, Run | BaseException] = {}
+        for block in blocks:
+            try:
+                done[block.id] = run_block(block, copy)
+            except BaseException as e:  # a bug here: reported by the block's own test
+                done[block.id] = e
+        return done
+
+    # The longest first (the top README's tour), so that the others fill in beside it.
+    order = sorted(docs.values(), key=lambda blocks: blocks[0].doc != ROOT / "README.md")
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        return {k: v for done in pool.map(one_doc, order) for k, v in done.items()}
+
+
+@pytest.mark.parametrize("block", COMMANDS, ids=[b.id for b in COMMANDS])
+def test_readme_command_runs_as_written(block, outcomes):
+    if why := why_skipped(block):
+        pytest.skip(why)
+    run = outcomes[block.id]
+    if isinstance(run, BaseException):
+        raise run
     where = f"{block.id}\n{run.describe()}"
+    assert run.returncode is not None, f"killed at its time limit: {where}"
     assert run.returncode == 0, where
     assert not run.survivors, f"processes left running: {where}"
     if "expect" in block.marker:
