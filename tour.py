@@ -327,11 +327,16 @@ def run_slurm_job(nodes: int, train_args: list[str], out: Path, timeout: float) 
         shutil.rmtree(state, ignore_errors=True)
 
 
+def max_gap(ours: list, theirs: list) -> float:
+    """Largest |difference| between two lists of tensors, pair by pair (two models' parameters, say)."""
+    return max((a.double() - b.double()).abs().max().item() for a, b in zip(ours, theirs, strict=True))
+
+
 def max_abs_diff(a: dict, b: dict) -> float:
     """Largest |difference| between two state_dicts with the same keys."""
     if a.keys() != b.keys():
         raise ValueError(f"different parameters: {sorted(a)} vs {sorted(b)}")
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    return max_gap([a[k] for k in a], [b[k] for k in a])
 
 
 @functools.cache
@@ -376,12 +381,8 @@ def _replay_error(s01: ModuleType, summary: dict, trajectory: list[dict]) -> flo
     train_set, _, model, optimizer = s01.load_train_objs(args, cpu)
     trainer = s01.Trainer(model, s01.prepare_dataloader(train_set, args.batch_size), optimizer, cpu, args.seed)
     params = list(model.parameters())
-
-    def gap(ours: list, theirs: list) -> float:
-        return max((a.double() - b.double()).abs().max().item() for a, b in zip(ours, theirs, strict=True))
-
     # A run from scratch must start where stage 01 starts, exactly.
-    worst = gap(params, trajectory[0]["params"]) if trajectory[0]["epoch"] == 0 else 0.0
+    worst = max_gap(params, trajectory[0]["params"]) if trajectory[0]["epoch"] == 0 else 0.0
     for before, after in itertools.pairwise(trajectory):
         with torch.no_grad():
             for p, w in zip(params, before["params"], strict=True):
@@ -392,7 +393,7 @@ def _replay_error(s01: ModuleType, summary: dict, trajectory: list[dict]) -> flo
                 optimizer.state[p]["momentum_buffer"] = m.clone()
         trainer._run_epoch(before["epoch"])
         momentum = [optimizer.state[p]["momentum_buffer"] for p in params]
-        worst = max(worst, gap(params, after["params"]), gap(momentum, after["momentum"]))
+        worst = max(worst, max_gap(params, after["params"]), max_gap(momentum, after["momentum"]))
     return worst
 
 

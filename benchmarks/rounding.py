@@ -46,7 +46,7 @@ sys.path.insert(0, str(HERE.parent / "collectives"))  # cli.py, shared with coll
 sys.path.insert(0, str(HERE.parent))  # tour.py: the stages' loader, the replay, the launcher
 from cli import ArgumentParser, ensure_writable, positive  # noqa: E402
 
-from tour import Step, load_stage, replay_error, run_job, tolerance  # noqa: E402
+from tour import Step, load_stage, max_gap, replay_error, run_job, tolerance  # noqa: E402
 
 W = 2  # simulated ranks: for 2, sum(g_r / W) is bit for bit what DDP's reducer computes
 DTYPES = ("float32", "float64")
@@ -57,10 +57,6 @@ BROKEN = {  # name -> what the broken DDP run does differently
     "no set_epoch": "every epoch repeats epoch 0's order (sampler.set_epoch forgotten)",
     "global batch b": "no DistributedSampler: every rank takes the same b samples, so the global batch is b",
 }
-
-
-def flat_gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
 def preactivations(model: torch.nn.Module, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -119,7 +115,7 @@ def simulate(s01, dtype: str, lr: float, epochs: int, batch: int, seed: int, var
                 if variant:
                     total += sum(rank_loss.item() for rank_loss in rank_losses) / W / len(micro_steps)
             if not variant:
-                epoch_gaps.append(flat_gap(ref_p, ddp_p))
+                epoch_gaps.append(max_gap(ref_p, ddp_p))
         gaps += epoch_gaps
         batch_flips += epoch_flips
         losses.append(total / (n // gb))
@@ -169,12 +165,12 @@ def compare(s01, real: dict, sims: dict, batch: int, seed: int, epochs: int) -> 
         if sim is None or len(sim["trajectory"]) <= epochs:
             sim = simulate(s01, dtype, 0.05, epochs, batch, seed)
         for stage, mine in (("04_ddp_torchrun", sim["trajectory"]), ("01_single_gpu", sim["ref_trajectory"])):
-            per_epoch = [max(flat_gap(a["params"], b["params"]),
-                             flat_gap(a["momentum"], b["momentum"]) if a["momentum"][0] is not None else 0.0)
+            per_epoch = [max(max_gap(a["params"], b["params"]),
+                             max_gap(a["momentum"], b["momentum"]) if a["momentum"][0] is not None else 0.0)
                          for a, b in zip(real[dtype, stage], mine[:epochs + 1], strict=True)]
             results.append({"dtype": dtype, "stage": stage, "final": per_epoch[-1], "worst": max(per_epoch)})
         results.append({"dtype": dtype, "stage": "04 vs 01 (both real)", "worst": None,
-                        "final": flat_gap(real[dtype, "04_ddp_torchrun"][-1]["params"],
+                        "final": max_gap(real[dtype, "04_ddp_torchrun"][-1]["params"],
                                           real[dtype, "01_single_gpu"][-1]["params"])})
     return results
 
