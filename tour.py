@@ -342,7 +342,8 @@ def max_abs_diff(a: dict, b: dict) -> float:
 @functools.cache
 def load_stage(stage: str) -> ModuleType:
     """Import a stage's train.py as a module (its work is in functions, so importing runs nothing)."""
-    spec = importlib.util.spec_from_file_location(f"stage_{stage}", ROOT / stage / "train.py")
+    # A stage ("04_ddp_torchrun") or a recipe ("recipes/grad_accumulation"): a folder holding train.py.
+    spec = importlib.util.spec_from_file_location(f"stage_{stage.replace('/', '_')}", ROOT / stage / "train.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # inspect.getsource() finds classes through sys.modules
     spec.loader.exec_module(module)
