@@ -38,6 +38,7 @@ import torch
 
 from conftest import CONFIGS
 from harness import (
+    RECIPES,
     ROOT,
     STAGES,
     TORCHRUN,
@@ -214,6 +215,25 @@ def left_alone(outcome: Outcome, place: Place) -> None:
 
 # --- the cases ------------------------------------------------------------------------------------------------
 
+# The recipes' own flags; their contract flags are checked as in stage 04.
+RECIPE_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
+    "recipes/grad_accumulation": {("--accumulate", "0"): "--accumulate",
+                                  ("--accumulate", "3"): "--accumulate",  # 3 x 64 does not divide 4096: a short step
+                                  ("--sync-every-micro-batch=yes",): "--sync-every-micro-batch"},
+    "recipes/uneven_inputs": {("--skew", "-1"): "--skew", ("--skew", "nan"): "--skew",
+                              ("--no-join=1",): "--no-join", ("--divide-by", "all"): "--divide-by"},
+    "recipes/mixed_precision": {("--autocast", "x"): "--autocast", ("--clip-grad-norm", "0"): "--clip-grad-norm",
+                                ("--dtype", "float64"): "--dtype",  # autocast leaves float64 alone: no recipe left
+                                **({} if torch.cuda.is_available() else {("--autocast", "float16"): "--autocast"})},
+    "recipes/comm_hooks": {("--hook", "bf16"): "--hook", ("--powersgd-rank", "0"): "--powersgd-rank",
+                           ("--powersgd-rank", "2"): "--powersgd-rank"},  # without --hook powersgd: it would do nothing
+    "recipes/compile": {("--bucket-cap-mb", "0"): "--bucket-cap-mb", ("--bucket-cap-mb", "nan"): "--bucket-cap-mb"},
+    "recipes/ddp_options": {("--static-graph=yes",): "--static-graph",
+                            ("--gradient-as-bucket-view=1",): "--gradient-as-bucket-view"},
+    "recipes/sync_batchnorm": {("--batchnorm", "x"): "--batchnorm", ("--device", "cpu"): "--device"},  # GPU-only
+}
+
+
 def bad_values(stage: str) -> dict[tuple[str, ...], str]:
     """{arguments: the flag the message must name} for every flag the stage has."""
     table = {
@@ -227,6 +247,7 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
         table[("--timeout", "0")] = "--timeout"
     if stage == "03_ddp_spawn":
         table[("--world-size", "0")] = "--world-size"
+    table |= RECIPE_BAD_VALUES.get(stage, {})
     if stage in SNAPSHOT_STAGES:
         table |= {("--save-every", "0"): "--save-every", ("--snapshot", "{file}/s.pt"): "--snapshot",
                   ("--snapshot", "{ro}/s.pt"): "--snapshot", ("--snapshot", "{tmp}"): "--snapshot"}
@@ -284,8 +305,13 @@ def cases() -> list[Case]:
 
 CASES = cases()
 # Checked in-process: (stage, arguments, what the one line must contain).
-REFUSALS = [(stage, args, f"argument {flag}: ") for stage in STAGES for args, flag in bad_values(stage).items()] + \
-           [(stage, TYPO, f"unrecognized arguments: {' '.join(TYPO)}") for stage in STAGES]
+SCRIPTS = [*STAGES, *RECIPES]  # the recipes are stage 04 plus one technique: they refuse bad values alike
+REFUSALS = [(stage, args, f"argument {flag}: ") for stage in SCRIPTS for args, flag in bad_values(stage).items()] + \
+           [(stage, TYPO, f"unrecognized arguments: {' '.join(TYPO)}") for stage in SCRIPTS]
+
+
+def short(script: str) -> str:
+    return script[:2] if script in STAGES else script.removeprefix("recipes/")
 
 
 # --- the place, and running every case once ------------------------------------------------------------------
@@ -393,7 +419,7 @@ def refusal(module: ModuleType, args: tuple[str, ...]) -> tuple[object, str, str
     return "no exit: the value was accepted", out.getvalue(), err.getvalue()
 
 
-@pytest.mark.parametrize("stage,args,message", REFUSALS, ids=[f"{s[:2]}{' '.join(a)}" for s, a, _ in REFUSALS])
+@pytest.mark.parametrize("stage,args,message", REFUSALS, ids=[f"{short(s)}{' '.join(a)}" for s, a, _ in REFUSALS])
 def test_bad_value_is_refused_in_one_line(paths, stage, args, message):
     """What `python <stage>/train.py <args>` prints and exits with: parse_args is all main() runs before it."""
     if "{ro}" in "".join(args) and paths.read_only is None:
@@ -425,7 +451,7 @@ def test_in_process_check_sees_a_missing_check(tmp_path):
     assert code != 2 and not err, f"the copy without the check still refused: exit {code}, {err!r}"
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", SCRIPTS)
 def test_main_checks_values_before_anything_else(stage):
     """Why the in-process checks stand for the script: main() starts with parse_args(argv), and running the file
     calls main(); the module's top level only defines (one real launch per stage, above, confirms the whole path)."""
@@ -448,7 +474,7 @@ def test_every_flag_of_every_stage_has_a_bad_value_case():
 
     The flags are those the parser itself lists in its usage line, and those the source declares.
     """
-    for stage in STAGES:
+    for stage in SCRIPTS:
         code, usage, _ = refusal(load_stage(stage), ("--help",))
         assert code == 0, f"{stage}: --help exited {code}"
         usage = usage.split("\n\n")[0]  # the usage line (wrapped), before the description

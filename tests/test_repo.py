@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from harness import ROOT, STAGES, load_stage
+from harness import RECIPES, ROOT, STAGES, load_stage
 
 # Pieces every stage must carry word for word: the contract (data, model, flags, evaluation),
 # and from stage 03 on the distributed pieces.
@@ -17,7 +17,8 @@ SHARED = ["make_data", "Net", "load_train_objs", "evaluate", "write_summary", "A
 SHARED_DDP = ["prepare_dataloader", "evaluate_distributed", "replica_max_abs_diff", "explain_peer_failure"]
 # Where a stage must differ, and why.
 EXPECTED_DIFFERENCES = {("07_model_parallel", "load_train_objs"): "builds the model split over two devices",
-                        ("07_model_parallel", "replica_max_abs_diff"): "gathers parameters from two devices"}
+                        ("07_model_parallel", "replica_max_abs_diff"): "gathers parameters from two devices",
+                        ("recipes/uneven_inputs", "prepare_dataloader"): "an unpadded, uneven sampler: the recipe"}
 
 
 def test_ruff_is_clean():
@@ -38,7 +39,8 @@ def test_ci_runs_the_readme_test_command():
 
 @pytest.mark.parametrize("name,since", [(n, "01") for n in SHARED] + [(n, "03") for n in SHARED_DDP])
 def test_stages_share_the_contract_word_for_word(name, since):
-    sources = {stage: inspect.getsource(getattr(load_stage(stage), name)) for stage in STAGES
+    """The recipes (stage 04 plus one technique) keep the contract too."""
+    sources = {stage: inspect.getsource(getattr(load_stage(stage), name)) for stage in [*STAGES, *RECIPES]
                if stage >= since and (stage, name) not in EXPECTED_DIFFERENCES}
     reference = next(iter(sources.values()))
     drifted = [stage for stage, src in sources.items() if src != reference]
@@ -54,3 +56,9 @@ def test_every_stage_has_a_readme_with_its_commands():
     for stage in STAGES:
         text = (ROOT / stage / "README.md").read_text()
         assert f"{stage}/train.py" in text, f"{stage}/README.md does not show how to run it"
+
+
+def test_every_recipe_is_in_the_recipes_readme():
+    text = (ROOT / "recipes" / "README.md").read_text()
+    missing = [recipe for recipe in RECIPES if f"{recipe}/train.py" not in text]
+    assert RECIPES and not missing, f"recipes/README.md does not show how to run {missing}"

@@ -1,0 +1,322 @@
+"""SyncBatchNorm under DDP (GPUs only): batch statistics over the global batch, not each rank's share.
+
+Stage 04's model with a BatchNorm1d after its first layer, converted by
+nn.SyncBatchNorm.convert_sync_batchnorm: in training, each rank's BatchNorm all-gathers the
+per-rank means and variances, so every rank normalises with (and keeps running averages of)
+the statistics of all W*b samples. torch runs it on GPUs only: DDP refuses a CPU module that holds
+one ("SyncBatchNorm layers only work with GPU modules"), so --device cpu is refused up front.
+`--batchnorm local` keeps plain BatchNorm (each rank's own statistics, what DDP does without the
+conversion) and runs on the CPU too: 2 ranks of b then differ from one process of 2b.
+
+    torchrun --standalone --nproc_per_node=2 recipes/sync_batchnorm/train.py --device cuda
+    torchrun --standalone --nproc_per_node=2 recipes/sync_batchnorm/train.py --batchnorm local --device cpu
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
+
+STAGE = "recipes/sync_batchnorm"
+N_TRAIN, N_EVAL = 4096, 1001  # 1001 is odd: the held-out set never splits evenly over 2, 4 or 8 ranks
+N_FEATURES, N_CLASSES, HIDDEN = 8, 4, 64
+DTYPES = {"float32": torch.float32, "float64": torch.float64}  # --dtype
+
+
+def make_data(seed: int, dtype: torch.dtype = torch.float32) -> tuple[TensorDataset, TensorDataset]:
+    """A task with a known answer: the label is the argmax of a fixed random linear map of x."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N_TRAIN + N_EVAL, N_FEATURES, generator=g)
+    teacher = torch.randn(N_FEATURES, N_CLASSES, generator=g)
+    y = (x @ teacher).argmax(dim=1)
+    x = x.to(dtype)  # after the labels: the same task in either --dtype
+    return TensorDataset(x[:N_TRAIN], y[:N_TRAIN]), TensorDataset(x[N_TRAIN:], y[N_TRAIN:])
+
+
+class Net(nn.Module):
+    """A small MLP in two halves; stage 07 puts `body` and `head` on different devices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(N_FEATURES, HIDDEN), nn.ReLU())
+        self.head = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, N_CLASSES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def load_train_objs(args: argparse.Namespace, device: torch.device):
+    train_set, eval_set = make_data(args.seed, DTYPES[args.dtype])
+    torch.manual_seed(args.seed)  # the same initial weights in every stage (drawn in float32, then cast)
+    model = Net().to(device, DTYPES[args.dtype])
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    return train_set, eval_set, model, optimizer
+
+
+def prepare_dataloader(dataset: Dataset, batch_size: int, rank: int, world_size: int, seed: int) -> DataLoader:
+    # Epoch e shuffles with torch.randperm(N, seed + e) as in stage 01, and rank r takes
+    # positions r, r+W, r+2W, ...: so the ranks' step k together covers stage 01's step k at batch W*b.
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int) -> dict:
+    """Weights and momentum after `epoch` epochs, on the CPU: tour.py replays each epoch from them."""
+    params = list(model.parameters())
+    return {"epoch": epoch, "params": [p.detach().cpu().clone() for p in params],
+            "momentum": [optimizer.state[p]["momentum_buffer"].cpu().clone() if p in optimizer.state else None
+                         for p in params]}
+
+
+class Trainer:
+    def __init__(self, model: nn.Module, train_loader: DataLoader, optimizer: torch.optim.Optimizer,
+                 device: torch.device, master_process: bool) -> None:
+        self.model = model
+        self.train_loader = train_loader
+        self.optimizer = optimizer
+        self.device = device
+        self.master_process = master_process  # rank 0 alone logs and saves
+        self.losses: list[float] = []
+        self.steps = 0
+        self.trajectory: list[dict] = []  # state_of() at the start and after every epoch
+
+    def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()  # sync point: DDP all-reduces gradient buckets while backward still runs
+        self.optimizer.step()
+        self.steps += 1
+        return loss.detach()
+
+    def _run_epoch(self, epoch: int) -> float:
+        self.train_loader.sampler.set_epoch(epoch)  # without it, every epoch repeats epoch 0's order
+        total = torch.zeros((), device=self.device, dtype=torch.float64)  # float64 in either --dtype: stages compare it
+        for x, y in self.train_loader:
+            total += self._run_batch(x.to(self.device), y.to(self.device))
+        dist.all_reduce(total)  # each rank saw different samples: the mean over ranks is stage 01's loss
+        return total.item() / (len(self.train_loader) * dist.get_world_size())
+
+    def train(self, epochs: int) -> None:
+        self.trajectory.append(state_of(self.model, self.optimizer, 0))
+        for epoch in range(epochs):
+            start = time.perf_counter()
+            self.losses.append(self._run_epoch(epoch))
+            self.trajectory.append(state_of(self.model, self.optimizer, epoch + 1))
+            if self.master_process:
+                print(f"epoch {epoch + 1}/{epochs} | train loss {self.losses[-1]:.4f} "
+                      f"| {time.perf_counter() - start:.2f}s")
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset: Dataset, device: torch.device) -> tuple[float, float, int]:
+    """Return (sum of losses, number correct, number of samples) over `dataset`."""
+    model.eval()
+    loss_sum, correct = 0.0, 0
+    for x, y in DataLoader(dataset, batch_size=256):
+        logits = model(x.to(device))
+        loss_sum += F.cross_entropy(logits, y.to(device), reduction="sum").item()
+        correct += (logits.argmax(dim=1).cpu() == y).sum().item()
+    model.train()
+    return loss_sum, correct, len(dataset)
+
+
+def evaluate_distributed(model: nn.Module, dataset: Dataset, device: torch.device) -> tuple[float, float, int]:
+    """evaluate() over the whole dataset, split across ranks; every sample counts exactly once."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    # Rank r scores samples r, r+W, ...: no padding (DistributedSampler would repeat samples
+    # to even out the ranks, and they would be counted twice). Then one all_reduce adds the sums.
+    shard = Subset(dataset, range(rank, len(dataset), world_size))
+    totals = torch.tensor(evaluate(model, shard, device), dtype=torch.float64, device=device)
+    dist.all_reduce(totals)
+    loss_sum, correct, count = totals.tolist()
+    return loss_sum, correct, int(count)
+
+
+def replica_max_abs_diff(model: nn.Module) -> float:
+    """Gather every rank's parameters; return the largest difference from rank 0's."""
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return max((g - gathered[0]).abs().max().item() for g in gathered)
+
+
+def write_summary(out: Path, summary: dict, model: nn.Module, trajectory: list[dict]) -> None:
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    torch.save(model.state_dict(), out / "model.pt")
+    torch.save(trajectory, out / "trajectory.pt")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line naming the flag, exit 2 (no usage dump)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
+    return parse
+
+
+def ensure_writable(directory: Path) -> None:
+    """Create `directory` if needed and write a file there: mkdir alone succeeds on a read-only disk."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tempfile.TemporaryFile(dir=directory).close()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = ArgumentParser(prog=f"{STAGE}/train.py", description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=positive(int), default=20)
+    p.add_argument("--batch-size", type=positive(int), default=64, help="samples per step per process")
+    p.add_argument("--lr", type=positive(float), default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                   help="float64 rounds 5e8 times finer than float32: for checking results, not for speed")
+    p.add_argument("--out", type=Path, help="write summary.json, model.pt and trajectory.pt here")
+    p.add_argument("--timeout", type=positive(float), default=60.0,
+                   help="seconds a collective waits for the other ranks before the job fails")
+    p.add_argument("--batchnorm", choices=["sync", "local"], default="sync",
+                   help="local: each rank normalises with its own batch's statistics (DDP without the recipe; CPU too)")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("argument --device: cuda asked but no GPU is visible; use --device cpu (or auto)")
+    n_gpus = torch.cuda.device_count() if pick_device(args.device).type == "cuda" else 0
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes torchrun started on this node
+    if n_gpus and local_world_size > n_gpus:
+        p.error(f"torchrun --nproc_per_node: {local_world_size} processes but {n_gpus} GPU(s) visible; "
+                f"use --nproc_per_node={n_gpus} or fewer (or --device cpu)")
+    if args.out is not None:
+        try:  # fail now, not after training
+            ensure_writable(args.out)
+        except OSError as e:
+            p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
+    if args.batchnorm == "sync" and pick_device(args.device).type != "cuda":  # after --out: its errors come first
+        p.error("argument --device: SyncBatchNorm runs on GPUs only (torch's DDP refuses it on the CPU: "
+                "'SyncBatchNorm layers only work with GPU modules'); use --device cuda on GPUs, or --batchnorm local")
+    return args
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(choice)
+
+
+def ddp_setup(ddp: bool, device: torch.device, timeout: float) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before any CUDA work, or every rank also allocates on GPU 0
+    # (torchrun already set OMP_NUM_THREADS=1, so the ranks do not oversubscribe the CPU cores.)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if ddp:  # sync point: init reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from torchrun's env
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout))
+    else:  # plain `python train.py`: a group of one, kept in memory, so the rest runs unchanged
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=timeout))
+
+
+def with_batchnorm(model: Net, args: argparse.Namespace, device: torch.device) -> nn.Module:
+    """The model with a BatchNorm after its first layer, made a SyncBatchNorm (before DDP) unless --batchnorm local."""
+    # affine=False adds no parameters, so load_train_objs's optimizer and state_of() are unchanged
+    # (with affine=True, build the optimizer after adding the layer).
+    model.body.insert(1, nn.BatchNorm1d(HIDDEN, affine=False, device=device, dtype=DTYPES[args.dtype]))
+    if args.batchnorm == "sync":  # the recipe: every BatchNorm's statistics then span all ranks' samples
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return model
+
+
+def train(rank: int, world_size: int, device: torch.device, args: argparse.Namespace) -> None:
+    master_process = rank == 0
+    train_set, eval_set, model, optimizer = load_train_objs(args, device)
+    model = with_batchnorm(model, args, device)
+    train_loader = prepare_dataloader(train_set, args.batch_size, rank, world_size, args.seed)
+    if master_process:
+        fallback = " (no GPU visible: using the CPU)" if args.device == "auto" and device.type == "cpu" else ""
+        print(f"[{STAGE}] world size {world_size} | backend {dist.get_backend()} | device {device.type}{fallback} | "
+              f"batch {args.batch_size} per rank, {args.batch_size * world_size} global | "
+              f"{len(train_loader)} steps/epoch")
+    raw_model = model  # keep the unwrapped model: it is what we evaluate and save
+    # Sync point: the constructor broadcasts rank 0's weights, so every replica starts equal.
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    trainer = Trainer(model, train_loader, optimizer, device, master_process)
+    start = time.perf_counter()
+    trainer.train(args.epochs)
+    seconds = time.perf_counter() - start
+
+    loss_sum, correct, count = evaluate_distributed(raw_model, eval_set, device)
+    max_diff = replica_max_abs_diff(raw_model)
+    if master_process:
+        print(f"held-out: loss {loss_sum / count:.4f} | accuracy {correct / count:.2%} ({count} samples)")
+        print(f"replicas: max |difference| from rank 0 = {max_diff:.3g} over {world_size} ranks")
+    if master_process and args.out is not None:
+        global_batch = args.batch_size * world_size
+        summary = {
+            "stage": STAGE, "world_size": world_size, "backend": dist.get_backend(), "device": device.type,
+            "global_batch": global_batch, "batch_size": args.batch_size, "epochs": args.epochs,
+            "lr": args.lr, "dtype": args.dtype, "seed": args.seed, "steps": trainer.steps, "losses": trainer.losses,
+            "eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_count": count,
+            "replica_max_abs_diff": max_diff, "seconds": seconds,
+            "samples_per_s": trainer.steps * global_batch / seconds,
+            "batchnorm": type(raw_model.body[1]).__name__,  # SyncBatchNorm: its running stats are in model.pt
+        }
+        write_summary(args.out, summary, raw_model, trainer.trajectory)
+    if max_diff != 0:  # every rank computed the same max_diff, so all stop here together
+        raise RuntimeError(f"replicas diverged (max |difference| {max_diff:.3g}): gradients were not synchronised")
+
+
+def explain_peer_failure(error: RuntimeError, timeout: float) -> str | None:
+    """One line for the two ways another rank's failure reaches this one; None for any other error."""
+    text = str(error).lower()
+    if "timed out" in text or "timeout" in text:
+        return (f"waited more than --timeout {timeout:g}s for another rank: it stalled, died or skipped a "
+                f"collective this rank called; raise --timeout only if a rank legitimately works alone that long")
+    if "connection closed by peer" in text or "connection reset by peer" in text:
+        return "another rank closed its connection (it died): its own error, or its launcher's, says why"
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    ddp = int(os.environ.get("RANK", -1)) != -1  # started by torchrun?
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # index of this process on its node: picks the GPU
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device("cuda", local_rank) if pick_device(args.device).type == "cuda" else torch.device("cpu")
+    ddp_setup(ddp, device, args.timeout)
+    try:
+        train(rank, world_size, device, args)
+    except RuntimeError as e:  # gloo raises a peer's death or stall here, as a timeout or a closed connection
+        if (hint := explain_peer_failure(e, args.timeout)) is not None:
+            print(f"[{STAGE}] rank {rank}: {hint}", file=sys.stderr)
+        raise
+    finally:
+        # On success train() has returned and its DDP model is gone: destroying the group while a DDP
+        # model still holds it can hang a gloo process at exit (pytorch/pytorch#75097).
+        dist.destroy_process_group()
+    # Leave without Python's interpreter teardown: a gloo worker thread may still be releasing
+    # the last collective, which needs the GIL, and teardown aborts it ("terminate called
+    # without an active exception": 5 of 22 runs here; 0 of 60 with this exit). Nothing is left to clean up.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
