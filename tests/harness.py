@@ -6,10 +6,11 @@ fails instead of hanging), never on a fixed port (stage 03 picks a free one; tor
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -39,9 +40,9 @@ STAGES = sorted(p.parent.name for p in ROOT.glob("[0-9][0-9]_*/train.py"))
 # recipes/<name>/train.py: stage 04 with one everyday technique added (recipes/README.md).
 RECIPES = sorted(f"recipes/{p.parent.name}" for p in ROOT.glob("recipes/*/train.py"))
 __all__ = ["ROOT", "RECIPES", "STAGES", "TORCHRUN", "Fault", "Job", "Run", "Step", "assert_same_training", "check",
-           "clean_env", "free_port", "launch", "launch_commands", "load_stage", "max_abs_diff", "max_gap", "mutate",
-           "plan", "replay_error", "run_command", "run_job", "run_slurm_command", "slurm_missing", "tolerance",
-           "workers"]
+           "clean_env", "free_port", "gradient_bytes", "group_of_one", "launch", "launch_commands", "load_stage",
+           "max_abs_diff", "max_gap", "mutate", "plan", "replay_error", "run_command", "run_job", "run_slurm_command",
+           "slurm_missing", "tolerance", "workers"]
 
 
 def launch(step: Step, out: Path | None = None, script: Path | None = None, timeout: float = 120.0,
@@ -141,3 +142,20 @@ def mutate(stage: str, old: str, new: str, dest: Path) -> Path:
     path = dest / "train.py"
     path.write_text(text.replace(old, new))
     return path
+
+
+@contextlib.contextmanager
+def group_of_one() -> Iterator[None]:
+    """A gloo process group of one in this process (what `python train.py` makes): enough for DDP and its hooks."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def gradient_bytes(dtype: str = "float64") -> int:
+    """What one all-reduce of every gradient hands over per rank: stage 01's parameters, counted here, not by a hook."""
+    import torch
+    return sum(p.numel() for p in load_stage("01_single_gpu").Net().parameters()) * getattr(torch, dtype).itemsize

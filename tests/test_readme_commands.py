@@ -1,6 +1,7 @@
-"""Every command the READMEs show runs as written, so the docs cannot drift from the code.
+"""Every command the READMEs show runs as written, and every code excerpt is the code: the docs cannot drift.
 
-Code blocks in README files are tagged: ```bash for commands, ```text for output. A bash block
+Code blocks in README files are tagged: ```bash for commands, ```text for output, ```python for an
+excerpt of the train.py beside the README (checked against it, line by line). A bash block
 runs as one script from the root of a fresh copy of the repository (its `runs/` fill up there,
 not here), with this interpreter first on PATH, under a time limit. A README's blocks run in
 order, in one copy, as a reader runs them (a later block may use what an earlier one made); three
@@ -84,9 +85,21 @@ COMMANDS = [b for b in BLOCKS if b.lang == "bash"]
 
 
 def test_every_code_block_says_whether_it_is_commands_or_output():
-    untagged = [b.id for b in BLOCKS if b.lang not in ("bash", "text")]
-    assert not untagged, f"tag these blocks ```bash (commands, run by this test) or ```text (output): {untagged}"
+    untagged = [b.id for b in BLOCKS if b.lang not in ("bash", "text", "python")]
+    assert not untagged, (f"tag these blocks ```bash (commands, run by this test), ```text (output) or ```python "
+                          f"(an excerpt of the train.py beside the README): {untagged}")
     assert len(COMMANDS) >= 15, "the READMEs lost their commands?"
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "python"], ids=lambda b: b.id)
+def test_code_excerpts_are_the_code(block):
+    """A ```python block quotes the train.py beside its README, line by line (comments and `...` elisions aside)."""
+    script = block.doc.parent / "train.py"
+    assert script.exists(), f"{block.id}: a ```python block must quote {script.relative_to(ROOT)}"
+    code = script.read_text()
+    drifted = [line for line in block.body.splitlines()
+               if (quoted := line.split("#")[0].split("...")[0].strip()) and quoted not in code]
+    assert not drifted, f"{block.id}: not in {script.relative_to(ROOT)}: {drifted}"
 
 
 def test_only_allowed_reasons_leave_a_command_out():

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness import Run, Step, check, launch, load_stage, replay_error, tolerance
+from harness import Run, Step, check, group_of_one, launch, load_stage, replay_error, tolerance
 
 RECIPE = "recipes/compile"
 CAP_MB = 0.01  # 10485 bytes: the float64 model (~40 KB) fills two buckets
@@ -89,11 +89,8 @@ def test_compiling_the_ddp_wrapper_depends_on_where_forward_lives():
     def seq() -> torch.nn.Module:
         return torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with group_of_one():
         outer_seq = captured_graphs(lambda: torch.compile(DDP(seq()), backend="eager"))
         outer_net = captured_graphs(lambda: torch.compile(DDP(net()), backend="eager"))
         inner_seq = captured_graphs(lambda: DDP(torch.compile(seq(), backend="eager")))
-    finally:
-        dist.destroy_process_group()
     assert (outer_seq, outer_net, inner_seq) == (0, 1, 1)

@@ -11,9 +11,8 @@ Claims, with both flags on (one launch, 2 ranks x 32, float64, 20 epochs):
 from __future__ import annotations
 
 import pytest
-import torch
 
-from harness import Run, Step, assert_same_training, check, launch, load_stage
+from harness import Run, Step, assert_same_training, check, gradient_bytes, launch
 
 RECIPE = "recipes/ddp_options"
 W, B = 2, 32  # global batch 64: stage 01's in runs["01"]
@@ -35,8 +34,7 @@ def test_both_options_compute_stage_01s_training(runs, both):
 
 def test_gradients_are_views_into_ddps_bucket(both):
     g = both.summary["grad_memory"]
-    params = list(load_stage("01_single_gpu").Net().parameters())
-    grad_bytes = sum(p.numel() for p in params) * torch.float64.itemsize  # from the model, not from the run
+    grad_bytes = gradient_bytes()  # from the model, not from the run
     assert g["grad_bytes"] == grad_bytes == g["ddp_bucket_bytes"]
     # One storage holds all the gradients (without the flag: one per parameter, plus DDP's bucket beside them).
     assert (g["storages_after_step"], g["storage_bytes_after_step"]) == (1, grad_bytes), g

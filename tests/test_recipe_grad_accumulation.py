@@ -10,7 +10,18 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from harness import Run, Step, assert_same_training, check, launch, load_stage, max_gap, replay_error, tolerance
+from harness import (
+    Run,
+    Step,
+    assert_same_training,
+    check,
+    gradient_bytes,
+    launch,
+    load_stage,
+    max_gap,
+    replay_error,
+    tolerance,
+)
 
 RECIPE = "recipes/grad_accumulation"
 W, B, K = 2, 16, 2  # global batch W*K*B = 64: stage 01's batch in runs["01"]
@@ -27,11 +38,6 @@ def accumulated(tmp_path_factory) -> Run:
 def synced(tmp_path_factory) -> Run:
     step = Step(RECIPE, "torchrun", (*ARGS, "--sync-every-micro-batch", "--epochs", str(SYNCED_EPOCHS)), nproc=W)
     return check(launch(step, out=tmp_path_factory.mktemp("synced")))
-
-
-def gradient_bytes() -> int:
-    """What one all-reduce of every gradient moves per rank, from stage 01's model (not from the hook)."""
-    return sum(p.numel() for p in load_stage("01_single_gpu").Net().parameters()) * torch.float64.itemsize
 
 
 def test_accumulation_computes_stage_01_at_the_global_batch(runs, accumulated):

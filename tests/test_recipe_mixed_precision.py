@@ -16,16 +16,14 @@ import contextlib
 import importlib.util
 import io
 import math
-from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness import Run, Step, check, launch, load_stage, max_abs_diff, mutate, replay_error, tolerance
+from harness import Run, Step, check, group_of_one, launch, load_stage, max_abs_diff, mutate, replay_error, tolerance
 
 RECIPE = "recipes/mixed_precision"
 W, B = 2, 32  # global batch 64, 20 epochs, lr 0.05, seed 0: runs["01"]'s settings (stage 01, float64)
@@ -70,14 +68,6 @@ def test_replicas_stay_identical(bf16):
     assert bf16.summary["replica_max_abs_diff"] == 0.0
 
 
-@contextlib.contextmanager
-def group_of_one() -> Iterator[None]:
-    """A gloo process group of one, in this process (as `python train.py` makes): enough for DDP and its hooks."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def one_step(module: ModuleType, argv: list[str], autocast: torch.dtype, clip: float | None = None) -> dict:

@@ -13,15 +13,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness import Step, check, launch, load_stage, max_abs_diff, tolerance
+from harness import Step, check, group_of_one, launch, load_stage, max_abs_diff, tolerance
 
 RECIPE = "recipes/sync_batchnorm"
 CPU_REASON = "SyncBatchNorm layers only work with GPU modules"  # torch's words, quoted by the refusal
@@ -39,13 +37,6 @@ def test_refuses_the_cpu_in_one_line(argv):
     assert load_stage(RECIPE).parse_args([*argv, "--batchnorm", "local"]).batchnorm == "local"  # which runs there
 
 
-@contextlib.contextmanager
-def group_of_one() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def recipe_model(batchnorm: str) -> nn.Module:
