@@ -40,6 +40,9 @@ NOT_RUN = {  # the only reasons a command may be left out
     "needs GPUs", "needs several hosts",
     "is the test command itself",  # .ci/run runs it
     "starts an interactive server",  # jupyter lab: never exits on its own
+    # A benchmark at full size runs for a minute or more and measures nothing on a busy CI machine; its README
+    # also shows a quick run of the same script, which runs here, and tests/test_benchmarks.py checks its output.
+    "is a full benchmark run (a minute or more): the quick run below it and tests/test_benchmarks.py run the script",
 }
 DOCS = sorted(p for p in ROOT.rglob("README.md") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts))
 FENCE = re.compile(r"(?:<!-- (?P<marker>[^>]*?) -->\n)?```(?P<lang>[^\n]*)\n(?P<body>.*?)```", re.S)
