@@ -7,8 +7,6 @@ float64, as the tour does by default: rounding then stays ~1e-15, far from anyth
 """
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 from harness import Run, check, launch, plan
@@ -34,21 +32,3 @@ class Runs:
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     return Runs(tmp_path_factory)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # The fault battery first: its time bounds were measured with nothing else running (test_faults.py).
-    items.sort(key=lambda item: item.path.name != "test_faults.py")  # a stable sort: the order is kept otherwise
-
-
-@pytest.fixture(autouse=True)
-def _readme_commands_in_background(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """Once the fault battery is done, the README commands start beside the rest (test_readme_commands.start)."""
-    readme = sys.modules.get("test_readme_commands")
-    if readme is not None and request.node.path.name != "test_faults.py":
-        readme.start(request.session, tmp_path_factory)
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    if (readme := sys.modules.get("test_readme_commands")) is not None:
-        readme.stop()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -18,7 +17,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tour import (  # noqa: E402
-    JOB_TAG,
     ROOT,
     TORCHRUN,
     Job,
@@ -42,9 +40,9 @@ STAGES = sorted(p.parent.name for p in ROOT.glob("[0-9][0-9]_*/train.py"))
 # recipes/<name>/train.py: stage 04 with one everyday technique added (recipes/README.md).
 RECIPES = sorted(f"recipes/{p.parent.name}" for p in ROOT.glob("recipes/*/train.py"))
 __all__ = ["ROOT", "RECIPES", "STAGES", "TORCHRUN", "Fault", "Job", "Run", "Step", "assert_same_training", "check",
-           "clean_env", "free_port", "gradient_bytes", "group_of_one", "kill_jobs_started_here", "launch",
-           "launch_commands", "load_stage", "max_abs_diff", "max_gap", "mutate", "plan", "replay_error", "run_command",
-           "run_job", "run_slurm_command", "slurm_missing", "tolerance", "workers"]
+           "clean_env", "free_port", "gradient_bytes", "group_of_one", "launch", "launch_commands", "load_stage",
+           "max_abs_diff", "max_gap", "mutate", "plan", "replay_error", "run_command", "run_job", "run_slurm_command",
+           "slurm_missing", "tolerance", "workers"]
 
 
 def launch(step: Step, out: Path | None = None, script: Path | None = None, timeout: float = 120.0,
@@ -161,14 +159,3 @@ def gradient_bytes(dtype: str = "float64") -> int:
     """What one all-reduce of every gradient hands over per rank: stage 01's parameters, counted here, not by a hook."""
     import torch
     return sum(p.numel() for p in load_stage("01_single_gpu").Net().parameters()) * getattr(torch, dtype).itemsize
-
-
-def kill_jobs_started_here() -> None:
-    """SIGKILL every process of every job this process started (run_job tags them with its pid) still running."""
-    mine = f"{JOB_TAG}={os.getpid()}-".encode()
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if any(var.startswith(mine) for var in (proc / "environ").read_bytes().split(b"\0")):
-                os.kill(int(proc.name), signal.SIGKILL)
-        except OSError:  # gone meanwhile, or not ours to read
-            continue

@@ -28,14 +28,13 @@ import re
 import shutil
 import sys
 import tempfile
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from harness import ROOT, Run, free_port, kill_jobs_started_here, run_job, slurm_missing
+from harness import ROOT, Run, free_port, run_job, slurm_missing
 
 NOT_RUN = {  # the only reasons a command may be left out
     "needs GPUs", "needs several hosts",
@@ -149,29 +148,28 @@ def run_block(block: Block, copy: Path) -> Run:
     return run_job(cmds, env=env, timeout=420, cwd=copy)
 
 
-# Started first, so that the shorter READMEs fill in beside them (measured here, three at a time: the top
-# README's set-up and tour ~4.5 min, a stage's README or the benchmarks' ~1-1.5, a recipe's under 1).
-LONGEST = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", ROOT / "02_dataparallel" / "README.md",
-           ROOT / "04_ddp_torchrun" / "README.md", ROOT / "06_checkpoint" / "README.md"]
-
-_started: Future | None = None
-_stopping = threading.Event()
+# Started first, so that the shorter READMEs fill in beside them (here: the benchmarks ~3 min, the top
+# README's set-up and tour ~2, the collectives and the Slurm try ~1 each, a stage's README under 1).
+LONGEST = [ROOT / "benchmarks" / "README.md", ROOT / "README.md", ROOT / "collectives" / "README.md",
+           ROOT / "slurm" / "README.md"]
 
 
-def run_all(selected: list[Block], tmp: Path) -> dict[str, Run | BaseException]:
+@pytest.fixture(scope="module")
+def outcomes(request, tmp_path_factory) -> dict[str, Run | BaseException]:
     """Every selected block's run: each README's blocks in order in one copy, three READMEs at a time."""
+    selected = [item.callspec.params["block"] for item in request.session.items
+                if item.originalname == "test_readme_command_runs_as_written" and item.module is request.module]
     docs: dict[Path, list[Block]] = {}
     for block in selected:
         if not why_skipped(block):
             docs.setdefault(block.doc, []).append(block)
+    tmp = tmp_path_factory.mktemp("readme")
 
     def one_doc(blocks: list[Block]) -> dict[str, Run | BaseException]:
         copy = repo_copy(Path(tempfile.mkdtemp(dir=tmp)))
         done: dict[str, Run | BaseException] = {}
         for block in blocks:
             try:
-                if _stopping.is_set():
-                    raise RuntimeError("the session ended before this block ran")
                 done[block.id] = run_block(block, copy)
             except BaseException as e:  # a bug here: reported by the block's own test
                 done[block.id] = e
@@ -180,36 +178,6 @@ def run_all(selected: list[Block], tmp: Path) -> dict[str, Run | BaseException]:
     order = sorted(docs, key=lambda doc: LONGEST.index(doc) if doc in LONGEST else len(LONGEST))
     with ThreadPoolExecutor(max_workers=3) as pool:
         return {k: v for done in pool.map(one_doc, [docs[d] for d in order]) for k, v in done.items()}
-
-
-def start(session: pytest.Session, tmp_path_factory: pytest.TempPathFactory) -> Future:
-    """Start the runs of the session's selected blocks in the background, once (conftest.py calls this).
-
-    Most of the suite runs one job at a time, and a 2-rank job keeps about 1.5 of the 2 cores busy:
-    the README commands fill the rest. They start after the fault battery, whose time bounds were
-    measured on a machine running nothing else.
-    """
-    global _started
-    if _started is None:
-        module = sys.modules[__name__]
-        selected = [item.callspec.params["block"] for item in session.items
-                    if getattr(item, "originalname", None) == "test_readme_command_runs_as_written"
-                    and item.module is module]
-        runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="readme")
-        _started = runner.submit(run_all, selected, tmp_path_factory.mktemp("readme"))
-        runner.shutdown(wait=False)
-    return _started
-
-
-def stop() -> None:
-    """At the end of the session: start no more blocks, and kill the jobs still running (after a failure, -x)."""
-    _stopping.set()
-    kill_jobs_started_here()
-
-
-@pytest.fixture(scope="module")
-def outcomes(request, tmp_path_factory) -> dict[str, Run | BaseException]:
-    return start(request.session, tmp_path_factory).result()
 
 
 @pytest.mark.parametrize("block", COMMANDS, ids=[b.id for b in COMMANDS])
