@@ -17,9 +17,9 @@ before a block can say how:
 
 Several may be combined with ";". The one change made to a command: ports written as 29xxx become
 free ports (the same one for the same number within a file), since the tests never use a fixed port.
-The copy has no `.venv`: the README's set-up line (`python3 -m venv .venv && .venv/bin/pip install
--r requirements.txt`) really makes one and installs into it, as on a reader's fresh machine
-(~40 s here once pip's cache is warm).
+Each block runs with OMP_NUM_THREADS=1 (see run_block). The copy has no `.venv`: the README's set-up
+line (`python3 -m venv .venv && .venv/bin/pip install -r requirements.txt`) really makes one and
+installs into it, as on a reader's fresh machine (~40 s here once pip's cache is warm).
 """
 from __future__ import annotations
 
@@ -144,14 +144,19 @@ def run_block(block: Block, copy: Path) -> Run:
         cmds = [[*bash, with_free_ports(block, c)] for c in block.commands()]
     else:
         cmds = [[*bash, with_free_ports(block, block.body)]]
-    env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # `python`, `torchrun`: ours
+    env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # `python`, `torchrun`: ours
+           # Three READMEs share 2 cores: one thread per process, as torchrun gives its workers. With torch's
+           # default (a thread per core) a lone `python train.py` waits on its descheduled second thread at every
+           # op: measured here at 4-12 s an epoch instead of 0.1 s. The results do not depend on it.
+           "OMP_NUM_THREADS": "1"}
     return run_job(cmds, env=env, timeout=420, cwd=copy)
 
 
-# Started first, so that the shorter READMEs fill in beside them (here: the benchmarks ~3 min, the top
-# README's set-up and tour ~2, the collectives and the Slurm try ~1 each, a stage's README under 1).
-LONGEST = [ROOT / "benchmarks" / "README.md", ROOT / "README.md", ROOT / "collectives" / "README.md",
-           ROOT / "slurm" / "README.md"]
+# Started first, so that the shorter READMEs fill in beside them (measured here, three at a time: the top
+# README's set-up and tour ~4 min, the benchmarks', stage 03's and the hooks recipe's 1-1.5, Slurm's
+# ~45 s, mostly waiting; the others under a minute).
+LONGEST = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", ROOT / "03_ddp_spawn" / "README.md",
+           ROOT / "recipes" / "comm_hooks" / "README.md", ROOT / "slurm" / "README.md"]
 
 
 @pytest.fixture(scope="module")
