@@ -385,17 +385,28 @@ def _replay_error(s01: ModuleType, summary: dict, trajectory: list[dict]) -> flo
     # A run from scratch must start where stage 01 starts, exactly.
     worst = max_gap(params, trajectory[0]["params"]) if trajectory[0]["epoch"] == 0 else 0.0
     for before, after in itertools.pairwise(trajectory):
-        with torch.no_grad():
-            for p, w in zip(params, before["params"], strict=True):
-                p.copy_(w)
-        optimizer.state.clear()
-        for p, m in zip(params, before["momentum"], strict=True):
-            if m is not None:
-                optimizer.state[p]["momentum_buffer"] = m.clone()
+        restore_state(params, optimizer, before)
         trainer._run_epoch(before["epoch"])
-        momentum = [optimizer.state[p]["momentum_buffer"] for p in params]
-        worst = max(worst, max_gap(params, after["params"]), max_gap(momentum, after["momentum"]))
+        worst = max(worst, state_gap(params, optimizer, after))
     return worst
+
+
+def restore_state(params: list, optimizer, state: dict) -> None:
+    """Set the weights and the SGD momentum to a recorded state_of() (the momentum a fresh copy)."""
+    import torch
+    with torch.no_grad():
+        for p, w in zip(params, state["params"], strict=True):
+            p.copy_(w)
+    optimizer.state.clear()
+    for p, m in zip(params, state["momentum"], strict=True):
+        if m is not None:
+            optimizer.state[p]["momentum_buffer"] = m.clone()
+
+
+def state_gap(params: list, optimizer, state: dict) -> float:
+    """Largest |difference| from a recorded state_of(): the weights and the SGD momentum."""
+    momentum = [optimizer.state[p]["momentum_buffer"] for p in params]
+    return max(max_gap(params, state["params"]), max_gap(momentum, state["momentum"]))
 
 
 def main(argv: list[str] | None = None) -> int:

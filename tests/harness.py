@@ -29,10 +29,12 @@ from tour import (  # noqa: E402
     max_gap,
     plan,
     replay_error,
+    restore_state,
     run_command,
     run_job,
     run_slurm_command,
     slurm_missing,
+    state_gap,
     tolerance,
 )
 
@@ -41,8 +43,8 @@ STAGES = sorted(p.parent.name for p in ROOT.glob("[0-9][0-9]_*/train.py"))
 RECIPES = sorted(f"recipes/{p.parent.name}" for p in ROOT.glob("recipes/*/train.py"))
 __all__ = ["ROOT", "RECIPES", "STAGES", "TORCHRUN", "Fault", "Job", "Run", "Step", "assert_same_training", "check",
            "clean_env", "free_port", "gradient_bytes", "group_of_one", "launch", "launch_commands", "load_stage",
-           "max_abs_diff", "max_gap", "mutate", "plan", "replay_error", "run_command", "run_job", "run_slurm_command",
-           "slurm_missing", "tolerance", "workers"]
+           "max_abs_diff", "max_gap", "mutate", "plan", "replay_error", "restore_state", "run_command", "run_job",
+           "run_slurm_command", "slurm_missing", "state_gap", "tolerance", "workers"]
 
 
 def launch(step: Step, out: Path | None = None, script: Path | None = None, timeout: float = 120.0,

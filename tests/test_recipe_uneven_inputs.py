@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import Job, Run, Step, check, launch, load_stage, max_abs_diff, max_gap
+from harness import Job, Run, Step, check, launch, load_stage, max_abs_diff, max_gap, restore_state, state_gap
 
 RECIPE = "recipes/uneven_inputs"
 W, B, EPOCHS, SKEW = 2, 32, 3, 1.0  # rank 1 gets twice rank 0's samples: 43 and 86 batches per epoch
@@ -115,16 +115,9 @@ def _simulation_error(run: Run, divide_by: str) -> tuple[float, list[float]]:
     params = list(model.parameters())
     worst, losses = max_gap(params, trajectory[0]["params"]), []  # starts at stage 01's initial weights
     for before, after in itertools.pairwise(trajectory):
-        with torch.no_grad():
-            for p, w in zip(params, before["params"], strict=True):
-                p.copy_(w)
-        optimizer.state.clear()
-        for p, m in zip(params, before["momentum"], strict=True):
-            if m is not None:
-                optimizer.state[p]["momentum_buffer"] = m.clone()
+        restore_state(params, optimizer, before)
         losses.append(simulate_epoch(model, optimizer, train_set, before["epoch"], s["seed"], divide_by))
-        momentum = [optimizer.state[p]["momentum_buffer"] for p in params]
-        worst = max(worst, max_gap(params, after["params"]), max_gap(momentum, after["momentum"]))
+        worst = max(worst, state_gap(params, optimizer, after))
     return worst, losses
 
 
