@@ -7,11 +7,13 @@ fails instead of hanging), never on a fixed port (stage 03 picks a free one; tor
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -42,9 +44,9 @@ STAGES = sorted(p.parent.name for p in ROOT.glob("[0-9][0-9]_*/train.py"))
 # recipes/<name>/train.py: stage 04 with one everyday technique added (recipes/README.md).
 RECIPES = sorted(f"recipes/{p.parent.name}" for p in ROOT.glob("recipes/*/train.py"))
 __all__ = ["ROOT", "RECIPES", "STAGES", "TORCHRUN", "Fault", "Job", "Run", "Step", "assert_same_training", "check",
-           "clean_env", "free_port", "gradient_bytes", "group_of_one", "launch", "launch_commands", "load_stage",
-           "max_abs_diff", "max_gap", "mutate", "plan", "replay_error", "restore_state", "run_command", "run_job",
-           "run_slurm_command", "slurm_missing", "state_gap", "tolerance", "workers"]
+           "clean_env", "free_port", "gradient_bytes", "group_of_one", "launch", "launch_commands", "load_copy",
+           "load_stage", "max_abs_diff", "max_gap", "mutate", "plan", "replay_error", "restore_state", "run_command",
+           "run_job", "run_slurm_command", "slurm_missing", "state_gap", "tolerance", "workers"]
 
 
 def launch(step: Step, out: Path | None = None, script: Path | None = None, timeout: float = 120.0,
@@ -144,6 +146,14 @@ def mutate(stage: str, old: str, new: str, dest: Path) -> Path:
     path = dest / "train.py"
     path.write_text(text.replace(old, new))
     return path
+
+
+def load_copy(path: Path) -> ModuleType:
+    """Import a copy made by mutate() as a module of its own (load_stage imports the repository's scripts)."""
+    spec = importlib.util.spec_from_file_location(f"copy_{path.parent.name}_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @contextlib.contextmanager

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import importlib.util
 import io
 import os
 import re
@@ -50,6 +49,7 @@ from harness import (
     free_port,
     launch,
     launch_commands,
+    load_copy,
     load_stage,
     mutate,
 )
@@ -438,11 +438,7 @@ def test_in_process_check_sees_a_missing_check(tmp_path):
     An exact copy refuses it: what differs is the check, not the loading.
     """
     def load(name: str, old: str, new: str) -> ModuleType:
-        path = mutate("01_single_gpu", old, new, tmp_path / name)
-        spec = importlib.util.spec_from_file_location(f"faults_{name}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+        return load_copy(mutate("01_single_gpu", old, new, tmp_path / name))
 
     same = load("same", "if not (value > 0 and", "if not (value > 0 and")
     broken = load("broken", "if not (value > 0 and", "if not (value >= 0 and")

@@ -13,7 +13,6 @@ Claims, on gloo/CPU with 2 ranks (one launch, 20 epochs at global batch 64, the 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import math
 from types import ModuleType
@@ -23,7 +22,19 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness import Run, Step, check, group_of_one, launch, load_stage, max_abs_diff, mutate, replay_error, tolerance
+from harness import (
+    Run,
+    Step,
+    check,
+    group_of_one,
+    launch,
+    load_copy,
+    load_stage,
+    max_abs_diff,
+    mutate,
+    replay_error,
+    tolerance,
+)
 
 RECIPE = "recipes/mixed_precision"
 W, B = 2, 32  # global batch 64, 20 epochs, lr 0.05, seed 0: runs["01"]'s settings (stage 01, float64)
@@ -98,13 +109,6 @@ def test_ddp_all_reduces_float32_gradients():
     step = one_step(load_stage(RECIPE), [], torch.bfloat16)
     assert step["dtypes"]["logits"] == "torch.bfloat16"
     assert step["buckets"] == [torch.float32]  # one bucket (the model's 20 KB of gradients), all-reduced in float32
-
-
-def load_copy(path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"mixed_precision_{path.parent.name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_float16_unscales_before_clipping(tmp_path):
