@@ -106,6 +106,7 @@ def plan(world: int, batch: int, epochs: int | None = None, device: str = "auto"
              label="torchrun, model on 2 GPUs") if gpus >= 2 and world % 2 == 0 else
         Step("07_model_parallel", "torchrun", (*common, "--batch-size", str(batch)), nproc=world,
              label="torchrun, model split"),
+        Step("08_fsdp", "torchrun", (*common, "--batch-size", str(batch)), nproc=world, label="torchrun, FSDP2 shards"),
     ]
     return [s for s in steps if (ROOT / s.stage / "train.py").exists()]
 

@@ -351,7 +351,7 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
                       snapshot, args.seed)
     resumed_from = trainer.epochs_run
     if master_process and resumed_from:
-        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT")  # set by torchrun only
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # set by torchrun only; 0 on its first start
         print(f"resumed from {args.snapshot} after epoch {resumed_from}"
               + (f" (torchrun restart {restarts})" if restarts else ""))
     start = time.perf_counter()

@@ -21,7 +21,9 @@ import ast
 import contextlib
 import io
 import os
+import pickle
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -55,7 +57,8 @@ from harness import (
 )
 
 DDP_STAGES = [s for s in STAGES if s >= "03"]
-SNAPSHOT_STAGES = ["06_checkpoint", "07_model_parallel"]
+SNAPSHOT_STAGES = ["06_checkpoint", "07_model_parallel"]  # --snapshot is a file
+CHECKPOINT_STAGE = "08_fsdp"  # --snapshot is a directory of shards (torch.distributed.checkpoint)
 TIMEOUT = 5  # --timeout in the stall cases: how long the healthy ranks wait for the stalled one
 LAUNCHER_GRACE = 30  # mp.spawn and torchrun wait this long for a worker to obey SIGTERM before SIGKILL
 SLACK = 15  # scheduling on a busy 2-core machine
@@ -72,8 +75,10 @@ class Place:
     a_file: Path  # a regular file: nothing can be created "under" it
     read_only: Path | None  # a directory on a read-only mount (None: cannot be made here)
     good_snapshot: bytes  # stage 06 after 1 epoch, batch 64, one process
+    good_checkpoint: Path | None  # stage 08's checkpoint directory after 1 epoch, batch 64, one process
     payload_marker: Path  # the pickle payload would create this file
-    full_disk: Callable[[], Path | None]  # a fresh tiny disk holding the good snapshot and no room for another
+    # A fresh tiny disk holding the stage's good snapshot (or checkpoint) and no room for another; None: cannot mount.
+    full_disk: Callable[[str], Path] | None
 
 
 @dataclass
@@ -167,10 +172,37 @@ def snapshot_file(stage: str, kind: str) -> Callable[[Place], Outcome]:
 def disk_fills_up(stage: str) -> Callable[[Place], Outcome]:
     """Resume from the good snapshot (epoch 1) on a disk with no room for the next one."""
     def go(place: Place) -> Outcome:
-        disk = place.full_disk()
-        path = disk / "s.pt"
+        path = place.full_disk(stage)
+        before = contents(path)
         run = launch(Step(stage, "python", ("--device", "cpu", "--epochs", "3", "--snapshot", str(path))), timeout=90)
-        return Outcome(run, run.seconds, {"path": path, "before": place.good_snapshot})
+        return Outcome(run, run.seconds, {"path": path, "before": before})
+    return go
+
+
+def checkpoint_dir(kind: str) -> Callable[[Place], Outcome]:
+    """Stage 08 resumed from its good checkpoint directory, spoilt as `kind` (or with other settings)."""
+    def go(place: Place) -> Outcome:
+        path = place.tmp / f"08_{kind}"
+        shutil.copytree(place.good_checkpoint, path)
+        (last,) = path.iterdir()  # epoch_0001
+        settings: tuple[str, ...] = ()
+        if kind == "truncated":
+            shard = last / "__0_0.distcp"
+            shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+        elif kind == "missing":
+            (last / "__0_0.distcp").unlink()
+        elif kind == "foreign":  # a directory holding something else: stage 06's snapshot file
+            shutil.rmtree(last)
+            (path / "s.pt").write_bytes(place.good_snapshot)
+        elif kind == "payload":  # the metadata is a pickle, which dcp.load would unpickle as it is
+            (last / ".metadata").write_bytes(pickle.dumps(Payload(str(place.payload_marker))))
+        else:  # a good checkpoint, resumed with other settings
+            settings = {"other_model": ("--hidden", "32"), "other_seed": ("--seed", "7"),
+                        "other_dtype": ("--dtype", "float64")}[kind]
+        before = contents(path)
+        run = launch(Step(CHECKPOINT_STAGE, "python", ("--device", "cpu", "--epochs", "2", "--snapshot", str(path),
+                                                       *settings)), timeout=90)
+        return Outcome(run, run.seconds, {"path": path, "before": before})
     return go
 
 
@@ -206,11 +238,18 @@ def write_bad_snapshot(kind: str, path: Path, place: Place) -> None:
         torch.save(snapshot, path)
 
 
+def contents(path: Path) -> bytes | dict[str, bytes]:
+    """A snapshot file's bytes, or every file of a checkpoint directory."""
+    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()} \
+        if path.is_dir() else path.read_bytes()
+
+
 def left_alone(outcome: Outcome, place: Place) -> None:
     path = outcome.facts["path"]
-    assert path.read_bytes() == outcome.facts["before"], f"{path} was changed"
+    assert contents(path) == outcome.facts["before"], f"{path} was changed"
     assert not place.payload_marker.exists(), "the pickle payload ran"
     assert not list(path.parent.glob(path.name + ".tmp")), "a half-written snapshot was left behind"
+    assert not (path.is_dir() and list(path.glob("*.tmp"))), "a half-written checkpoint was left behind"
 
 
 # --- the cases ------------------------------------------------------------------------------------------------
@@ -251,6 +290,11 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
     if stage in SNAPSHOT_STAGES:
         table |= {("--save-every", "0"): "--save-every", ("--snapshot", "{file}/s.pt"): "--snapshot",
                   ("--snapshot", "{ro}/s.pt"): "--snapshot", ("--snapshot", "{tmp}"): "--snapshot"}
+    if stage == CHECKPOINT_STAGE:  # a directory: a file given for it, or one that cannot be written
+        table |= {("--save-every", "0"): "--save-every", ("--snapshot", "{file}"): "--snapshot",
+                  ("--snapshot", "{file}/ck"): "--snapshot", ("--snapshot", "{ro}/ck"): "--snapshot",
+                  ("--hidden", "0"): "--hidden", ("--hidden", "1.5"): "--hidden",
+                  ("--no-reshard-after-forward=1",): "--no-reshard-after-forward"}
     return table
 
 
@@ -259,10 +303,11 @@ TYPO = ("--batchsize", "32")  # a misspelt flag: argparse's own error, also rais
 
 
 # A stall costs ~40 s (the launcher's SIGTERM grace), so there is one per way of launching: mp.spawn (03),
-# torchrun on one node (04), two nodes (05). 06 and 07 meet a stall as 04 does: the same torchrun agent, and
+# torchrun on one node (04), two nodes (05). 06, 07 and 08 meet a stall as 04 does: the same torchrun agent, and
 # the collective's timeout caught in main() by explain_peer_failure, word for word 04's (test_repo.py's
 # contract test). They differ from 04 only in the store ddp_setup passes (used while joining, before any
-# stall) and in 06/07's barrier after a snapshot, one more collective that times out like the others.
+# stall), in the barrier after a snapshot, one more collective that times out like the others, and in 08
+# in which collectives a step makes (FSDP's all-gathers and reduce-scatters, on the same gloo group and timeout).
 STALL_STAGES = ["03_ddp_spawn", "04_ddp_torchrun", "05_multinode"]
 
 
@@ -288,6 +333,12 @@ def cases() -> list[Case]:
                  "port: {port}, useIpv6: false, code: -98, name: EADDRINUSE", port_taken("04_ddp_torchrun")),
             Case("05-port-taken", "05_multinode", "--master_port held by another process", None, START,
                  "port: {port}, useIpv6: false, code: -98, name: EADDRINUSE", port_taken("05_multinode"))]
+    out.append(Case("08-disk-full", CHECKPOINT_STAGE, "the disk fills up while the shards are written", None, START,
+                    "is still the last checkpoint", disk_fills_up(CHECKPOINT_STAGE), also=left_alone,
+                    needs="full_disk"))
+    for kind in ["truncated", "missing", "foreign", "payload", "other_model", "other_seed", "other_dtype"]:
+        out.append(Case(f"08-checkpoint-{kind}", CHECKPOINT_STAGE, f"--snapshot directory: {kind.replace('_', ' ')}",
+                        2, START, "argument --snapshot: ", checkpoint_dir(kind), one_line=True, also=left_alone))
     for stage in SNAPSHOT_STAGES:
         out.append(Case(f"{stage[:2]}-disk-full", stage, "the disk fills up before a snapshot is saved", None,
                         START, "still holds the previous snapshot", disk_fills_up(stage), also=left_alone,
@@ -341,28 +392,35 @@ def paths(tmp_path_factory) -> Iterator[Place]:
             read_only.chmod(0o555)  # not root: permissions make it read-only; root ignores them
             with contextlib.suppress(OSError), open(read_only / "probe", "w"):
                 read_only = None  # writable after all: those cases are skipped
-        yield Place(tmp, a_file, read_only, b"", tmp / "payload_ran", lambda: None)
+        yield Place(tmp, a_file, read_only, b"", None, tmp / "payload_ran", None)
 
 
 @pytest.fixture(scope="module")
 def place(paths) -> Iterator[Place]:
     tmp = paths.tmp
-    good = tmp / "good.pt"
-    check(launch(Step("06_checkpoint", "python", ("--device", "cpu", "--epochs", "1", "--snapshot", str(good)))))
+    good, good_checkpoint = tmp / "good.pt", tmp / "good_checkpoint"
+    with ThreadPoolExecutor(max_workers=2) as pool:  # stage 06's snapshot and stage 08's checkpoint, at once
+        made = pool.map(lambda step: check(launch(step)), [
+            Step("06_checkpoint", "python", ("--device", "cpu", "--epochs", "1", "--snapshot", str(good))),
+            Step(CHECKPOINT_STAGE, "python", ("--device", "cpu", "--epochs", "1", "--snapshot", str(good_checkpoint)))])
+        list(made)
     good_snapshot = good.read_bytes()
     with contextlib.ExitStack() as stack:
         disks = iter(range(100))
 
-        def full_disk() -> Path | None:
+        def full_disk(stage: str) -> Path | None:
             disk = tmp / f"disk{next(disks)}"
-            # Room for the good snapshot plus half of another: the next save cannot fit.
-            if not stack.enter_context(mounted(disk, f"size={len(good_snapshot) * 3 // 2}")):
+            source = good_checkpoint if stage == CHECKPOINT_STAGE else good
+            size = sum(f.stat().st_size for f in source.rglob("*")) if source.is_dir() else source.stat().st_size
+            # Room for the good snapshot plus half of another (and tmpfs's own blocks): the next save cannot fit.
+            if not stack.enter_context(mounted(disk, f"size={size * 3 // 2 + 16384}")):
                 return None
-            (disk / "s.pt").write_bytes(good_snapshot)
-            return disk
+            copy = shutil.copytree if source.is_dir() else shutil.copy
+            return Path(copy(source, disk / source.name))
 
-        probe = full_disk()
-        yield replace(paths, good_snapshot=good_snapshot, full_disk=full_disk if probe else None)
+        probe = full_disk("06_checkpoint")
+        yield replace(paths, good_snapshot=good_snapshot, good_checkpoint=good_checkpoint,
+                      full_disk=full_disk if probe else None)
 
 
 @pytest.fixture(scope="module")

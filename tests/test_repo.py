@@ -18,6 +18,9 @@ SHARED_DDP = ["prepare_dataloader", "evaluate_distributed", "replica_max_abs_dif
 # Where a stage must differ, and why.
 EXPECTED_DIFFERENCES = {("07_model_parallel", "load_train_objs"): "builds the model split over two devices",
                         ("07_model_parallel", "replica_max_abs_diff"): "gathers parameters from two devices",
+                        ("08_fsdp", "Net"): "its width is a flag (--hidden), to show what sharding saves",
+                        ("08_fsdp", "load_train_objs"): "shards the model before the optimizer takes its parameters",
+                        ("08_fsdp", "state_of"): "gathers each sharded parameter and momentum buffer whole",
                         ("recipes/uneven_inputs", "prepare_dataloader"): "an unpadded, uneven sampler: the recipe"}
 
 
