@@ -142,11 +142,15 @@ class MetadataUnpickler(pickle.Unpickler):
     """Reads a checkpoint's .metadata, which dcp.load unpickles as it is: only what metadata is made of passes."""
 
     ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-               ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
+               ("pathlib", "WindowsPath"), ("collections", "OrderedDict"),
+               ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
 
     def find_class(self, module: str, name: str):
-        if module.startswith("torch.distributed.checkpoint.") or (module, name) in self.ALLOWED or \
-                (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        # The metadata's own classes (dataclasses, an enum); not its module's functions, which a pickle could call.
+        metadata_class = module == "torch.distributed.checkpoint.metadata" and \
+            isinstance(getattr(dcp.metadata, name, None), type)
+        if (module, name) in self.ALLOWED or dtype or metadata_class:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata (a pickle that runs "
                                      f"code?)")
