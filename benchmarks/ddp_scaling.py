@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "collectives"))  # cli.py, shared with collectives/
-from cli import ArgumentParser, ensure_writable, exit_worker, free_port, gloo_group, positive  # noqa: E402
+from cli import ArgumentParser, ensure_writable, exit_worker, free_port, gloo_group, list_of, positive  # noqa: E402
 
 COLUMNS = ["experiment", "model", "params", "mode", "world_size", "per_rank_batch", "global_batch", "bucket_cap_mb",
            "accumulate", "no_sync", "steps", "step_ms", "samples_per_s", "efficiency"]
@@ -239,18 +239,6 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def list_of(kind, choices: tuple[str, ...] = ()):
-    def parse(text: str):
-        try:
-            values = [kind(v) for v in text.split(",")]
-        except ValueError:
-            values = []
-        if not values or any(v not in choices if choices else v <= 0 for v in values):
-            allowed = f"names from {','.join(choices)}" if choices else "positive integers"
-            raise argparse.ArgumentTypeError(f"expected comma-separated {allowed}, got {text!r}")
-        return values
-    parse.__name__ = "list"
-    return parse
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,7 +62,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "collectives"))  # cli.py, shared with collectives/
-from cli import ArgumentParser, ensure_writable, positive  # noqa: E402
+from cli import ArgumentParser, ensure_writable, list_of, positive  # noqa: E402
 
 MODES = ("ddp", "fsdp", "fsdp_no_reshard")
 COLUMNS = ["mode", "world_size", "rank", "params", "blocks", "width", "batch", "steps", "param_bytes", "unit_bytes",
@@ -327,19 +327,6 @@ def plot(lines: list[dict], args: argparse.Namespace, torch_version: str, path: 
     plt.close(fig)
 
 
-def list_of(kind, choices: tuple[str, ...] = ()):
-    def parse(text: str):
-        try:
-            values = [kind(v) for v in text.split(",")]
-        except ValueError:
-            values = []
-        if not values or len(set(values)) < len(values) or any(v not in choices if choices else v <= 0
-                                                                for v in values):
-            allowed = f"names from {','.join(choices)}" if choices else "positive integers"
-            raise argparse.ArgumentTypeError(f"expected distinct comma-separated {allowed}, got {text!r}")
-        return values
-    parse.__name__ = "list"
-    return parse
 
 
 def available_bytes() -> int | None:

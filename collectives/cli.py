@@ -1,5 +1,5 @@
 """Pieces shared by the scripts in collectives/ and benchmarks/ (not by the stages, which stay
-self-contained): one-line errors with exit status 2, positive numbers, a free port, an output
+self-contained): one-line errors with exit status 2, positive numbers, comma-separated lists, a free port, an output
 directory checked before any measuring starts, and the gloo group each worker runs in."""
 from __future__ import annotations
 
@@ -27,6 +27,22 @@ def positive(kind):
             raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
         return value
     parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
+    return parse
+
+
+def list_of(kind, choices: tuple[str, ...] = ()):
+    """A comma-separated flag value: distinct positive numbers, or names from `choices`."""
+    def parse(text: str):
+        try:
+            values = [kind(v) for v in text.split(",")]
+        except ValueError:
+            values = []
+        if not values or len(set(values)) < len(values) or any(v not in choices if choices else v <= 0
+                                                                for v in values):
+            allowed = f"names from {','.join(choices)}" if choices else "positive integers"
+            raise argparse.ArgumentTypeError(f"expected distinct comma-separated {allowed}, got {text!r}")
+        return values
+    parse.__name__ = "list"
     return parse
 
 
