@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
@@ -46,7 +47,8 @@ RECIPES = sorted(f"recipes/{p.parent.name}" for p in ROOT.glob("recipes/*/train.
 __all__ = ["ROOT", "RECIPES", "STAGES", "TORCHRUN", "Fault", "Job", "Run", "Step", "assert_same_training", "check",
            "clean_env", "free_port", "gradient_bytes", "group_of_one", "launch", "launch_commands", "load_copy",
            "load_stage", "max_abs_diff", "max_gap", "mutate", "plan", "replay_error", "restore_state", "run_command",
-           "run_job", "run_slurm_command", "slurm_missing", "state_gap", "tolerance", "workers"]
+           "run_job", "run_slurm_command", "slurm_missing", "state_gap", "tolerance", "with_args", "with_batch",
+           "workers"]
 
 
 def launch(step: Step, out: Path | None = None, script: Path | None = None, timeout: float = 120.0,
@@ -115,6 +117,18 @@ class Fault:
         """From the fault to the end of the job (every process gone)."""
         assert self.sent_at is not None, f"{self.error}\n{run.describe()}"
         return run.seconds - self.sent_at
+
+
+def with_args(step: Step, *args: str, **changes) -> Step:
+    """`step` with more arguments (a later flag wins over an earlier one), and any other field changed."""
+    return replace(step, args=(*step.args, *args), **changes)
+
+
+def with_batch(step: Step, batch: int) -> Step:
+    """`step` with another --batch-size."""
+    args = list(step.args)
+    args[args.index("--batch-size") + 1] = str(batch)
+    return replace(step, args=tuple(args))
 
 
 def check(run: Run) -> Run:

@@ -11,13 +11,9 @@ import pytest
 import torch
 
 from conftest import CONFIGS
-from harness import Job, Step, assert_same_training, check, launch, load_stage, max_abs_diff, workers
+from harness import Job, Step, assert_same_training, check, launch, load_stage, max_abs_diff, with_args, workers
 
 STAGE = "06_checkpoint"
-
-
-def with_args(step: Step, *args: str, **changes) -> Step:
-    return replace(step, args=(*step.args, *args), **changes)
 
 
 @pytest.fixture(scope="module")

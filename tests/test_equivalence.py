@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import CONFIGS, DTYPE
+from conftest import CONFIGS, DTYPE, B, W
 from harness import (
     Run,
     Step,
@@ -21,6 +21,7 @@ from harness import (
     mutate,
     replay_error,
     tolerance,
+    with_batch,
 )
 
 BUG = 1e-3  # a broken stage's epoch replay is off by 1e-1 here; 1e-3 is still 1e5 times the tolerance
@@ -84,10 +85,7 @@ def test_other_initial_weights_fail(tmp_path):
 
 
 def test_a_different_global_batch_gives_different_weights(runs, tmp_path):
-    step = CONFIGS["01"]
-    args = list(step.args)
-    args[args.index("--batch-size") + 1] = str(int(args[args.index("--batch-size") + 1]) // 2)
-    run = check(launch(Step(step.stage, step.launcher, tuple(args)), out=tmp_path))
+    run = check(launch(with_batch(CONFIGS["01"], W * B // 2), out=tmp_path))
     assert max_abs_diff(runs["01"].model, run.model) > BUG
 
 

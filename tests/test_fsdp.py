@@ -26,22 +26,14 @@ from harness import (
     mutate,
     replay_error,
     tolerance,
+    with_args,
+    with_batch,
     workers,
 )
 
 STAGE = "08_fsdp"
 UNITS = 2  # fully_shard on `body` and on `head`; the root holds no parameter of its own, so it gathers nothing
 TOL = tolerance(DTYPE)
-
-
-def with_args(step: Step, *args: str, **changes) -> Step:
-    return replace(step, args=(*step.args, *args), **changes)
-
-
-def with_batch(step: Step, batch: int) -> Step:
-    args = list(step.args)
-    args[args.index("--batch-size") + 1] = str(batch)
-    return replace(step, args=tuple(args))
 
 
 def stage_01_shapes() -> dict[str, list[int]]:
