@@ -62,7 +62,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "collectives"))  # cli.py, shared with collectives/
-from cli import ArgumentParser, ensure_writable, list_of, positive  # noqa: E402
+from cli import ArgumentParser, ensure_writable, exit_worker, list_of, positive  # noqa: E402
 
 MODES = ("ddp", "fsdp", "fsdp_no_reshard")
 COLUMNS = ["mode", "world_size", "rank", "params", "blocks", "width", "batch", "steps", "param_bytes", "unit_bytes",
@@ -216,8 +216,7 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.worker).write_text(json.dumps({"torch": torch.__version__, "rows": results}))
     dist.barrier()
     dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # no interpreter teardown: it can abort gloo's threads (see 03_ddp_spawn/README.md)
+    exit_worker()
 
 
 # --- the launcher ---------------------------------------------------------------------------------

@@ -26,8 +26,6 @@
 # adding the parameters stage 3: FSDP2 as used here is ZeRO-3.
 
 # %%
-from dataclasses import replace
-
 import matplotlib.pyplot as plt
 import nbtools as nb
 from matplotlib.patches import Patch, Rectangle
@@ -181,8 +179,7 @@ print("units, whole: " + ", ".join(f"`{u}` {b:,} B ({b / full['params']:.0%} of 
 # weights as the first epoch of the run above.
 
 # %%
-one_epoch = nb.with_args(cfg.step("08_fsdp"), epochs=1)
-no_reshard = replace(one_epoch, args=(*one_epoch.args, "--no-reshard-after-forward"))  # a flag without a value
+no_reshard = nb.with_args(cfg.step("08_fsdp"), epochs=1, no_reshard_after_forward=True)
 kept = nb.run(no_reshard, "08_no_reshard", quiet=True)
 after_one = dict(zip(names, fsdp.trajectory[1]["params"], strict=True))  # the first run, after epoch 1
 same = max((kept.model[n] - after_one[n]).abs().max().item() for n in names)

@@ -98,12 +98,16 @@ def setup() -> Setup:
     return Setup(gpus, device, tuple(plan(WORLD, BATCH, EPOCHS, device, DTYPE, gpus if gpus >= 2 else 0)))
 
 
-def with_args(step: Step, **flags: str | int) -> Step:
-    """`step` with some flags replaced or added: with_args(step, batch_size=32, epochs=4)."""
+def with_args(step: Step, **flags: str | int | bool) -> Step:
+    """`step` with some flags replaced or added: with_args(step, batch_size=32, epochs=4, no_join=True).
+
+    True adds a flag that takes no value."""
     args = list(step.args)
     for name, value in flags.items():
         flag = "--" + name.replace("_", "-")
-        if flag in args:
+        if value is True:
+            args += [] if flag in args else [flag]
+        elif flag in args:
             args[args.index(flag) + 1] = str(value)
         else:
             args += [flag, str(value)]
