@@ -85,6 +85,7 @@ def plan(world: int, batch: int, epochs: int | None = None, device: str = "auto"
     epochs_args = ("--epochs", str(epochs)) if epochs else ()
     one = ("--device", "cuda" if gpus == 1 else device, "--dtype", dtype, *epochs_args)  # single-process runs
     common = ("--device", "cpu" if gpus == 1 else device, "--dtype", dtype, *epochs_args)  # multi-process runs
+    tp = next(d for d in (4, 2, 1) if world % d == 0)  # stage 09's tensor-parallel degree
     steps = [
         Step("01_single_gpu", "python", (*one, "--batch-size", str(world * batch)), label="python"),
         Step("02_dataparallel", "python", (*one, "--batch-size", str(world * batch)), label="python"),
@@ -107,6 +108,10 @@ def plan(world: int, batch: int, epochs: int | None = None, device: str = "auto"
         Step("07_model_parallel", "torchrun", (*common, "--batch-size", str(batch)), nproc=world,
              label="torchrun, model split"),
         Step("08_fsdp", "torchrun", (*common, "--batch-size", str(batch)), nproc=world, label="torchrun, FSDP2 shards"),
+        # Every layer split over tp processes (the most of 4, 2, 1 that divides W: the model's 4 classes are split
+        # too); the tp ranks of a row share their samples, so each row takes tp*b of them: the same W*b a step.
+        Step("09_tensor_parallel", "torchrun", (*common, "--batch-size", str(tp * batch), "--tp", str(tp)),
+             nproc=world, label=f"torchrun, dp {world // tp} x tp {tp}"),
     ]
     return [s for s in steps if (ROOT / s.stage / "train.py").exists()]
 

@@ -59,6 +59,7 @@ from harness import (
 DDP_STAGES = [s for s in STAGES if s >= "03"]
 SNAPSHOT_STAGES = ["06_checkpoint", "07_model_parallel"]  # --snapshot is a file
 CHECKPOINT_STAGE = "08_fsdp"  # --snapshot is a directory of shards (torch.distributed.checkpoint)
+CHECKPOINT_STAGES = [CHECKPOINT_STAGE, "09_tensor_parallel"]  # 09 keeps 08's checkpoints
 TIMEOUT = 5  # --timeout in the stall cases: how long the healthy ranks wait for the stalled one
 LAUNCHER_GRACE = 30  # mp.spawn and torchrun wait this long for a worker to obey SIGTERM before SIGKILL
 SLACK = 15  # scheduling on a busy 2-core machine
@@ -290,11 +291,13 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
     if stage in SNAPSHOT_STAGES:
         table |= {("--save-every", "0"): "--save-every", ("--snapshot", "{file}/s.pt"): "--snapshot",
                   ("--snapshot", "{ro}/s.pt"): "--snapshot", ("--snapshot", "{tmp}"): "--snapshot"}
-    if stage == CHECKPOINT_STAGE:  # a directory: a file given for it, or one that cannot be written
+    if stage in CHECKPOINT_STAGES:  # a directory: a file given for it, or one that cannot be written
         table |= {("--save-every", "0"): "--save-every", ("--snapshot", "{file}"): "--snapshot",
                   ("--snapshot", "{file}/ck"): "--snapshot", ("--snapshot", "{ro}/ck"): "--snapshot",
                   ("--hidden", "0"): "--hidden", ("--hidden", "1.5"): "--hidden",
                   ("--no-reshard-after-forward=1",): "--no-reshard-after-forward"}
+    if stage == "09_tensor_parallel":  # alone, a process is a world of 1: only --tp 1 divides it
+        table |= {("--tp", "0"): "--tp", ("--tp", "x"): "--tp", ("--tp", "2"): "--tp"}
     return table
 
 

@@ -23,6 +23,12 @@ def processes(step) -> int:
     return int(flag(step, "--world-size")) if "--world-size" in step.args else 1
 
 
+def global_batch(step) -> int:
+    """Samples per step: the processes' batches, except that 09's tp ranks of a row share theirs (dp = W / tp)."""
+    tp = int(flag(step, "--tp")) if "--tp" in step.args else 1
+    return processes(step) // tp * int(flag(step, "--batch-size"))
+
+
 def gpus_per_process(step, gpus: int) -> int:
     """How many GPUs one process of `step` takes: 07 takes two when each process can have two."""
     if flag(step, "--device") == "cpu" or gpus == 0:
@@ -36,7 +42,7 @@ def test_every_run_computes_the_same_global_batch_on_the_gpus_there_are(gpus):
     steps = plan(world, WORLD_BATCH, dtype="float64", gpus=gpus)
     assert [s.stage[:2] for s in steps][:2] == ["01", "02"] and {s.stage[:2] for s in steps} >= set("01 03 07".split())
     for step in steps:
-        assert processes(step) * int(flag(step, "--batch-size")) == world * WORLD_BATCH, step
+        assert global_batch(step) == world * WORLD_BATCH, step
         assert flag(step, "--dtype") == "float64"
         on_node = step.nproc if step.launcher == "torchrun" else processes(step)  # processes sharing a node's GPUs
         assert on_node * gpus_per_process(step, gpus) <= gpus, f"{step} needs more than {gpus} GPU(s)"

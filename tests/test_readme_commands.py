@@ -17,14 +17,16 @@ before a block can say how:
 
 Several may be combined with ";". The one change made to a command: ports written as 29xxx become
 free ports (the same one for the same number within a file), since the tests never use a fixed port.
-Each block runs with OMP_NUM_THREADS=1 (see run_block). The copy has no `.venv`: the README's set-up
-line (`python3 -m venv .venv && .venv/bin/pip install -r requirements.txt`) really makes one and
-installs into it, as on a reader's fresh machine (~40 s here once pip's cache is warm).
+Each block runs with OMP_NUM_THREADS=1 (see run_block). The README's set-up line (`python3 -m venv .venv &&
+.venv/bin/pip install -r requirements.txt`) is not run again here: the test command starts with it, and .ci/run
+runs that in a fresh clone (test_the_set_up_line_is_the_test_commands_own checks they are the same). The copy's
+`.venv` is the environment these tests run in (~40 s saved: installing torch).
 """
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import sys
 import tempfile
@@ -39,6 +41,7 @@ from harness import ROOT, Run, free_port, run_job, slurm_missing
 NOT_RUN = {  # the only reasons a command may be left out
     "needs GPUs", "needs several hosts",
     "is the test command itself",  # .ci/run runs it
+    "is the set-up the test command starts with",  # .ci/run runs that too, in a fresh clone
     "starts an interactive server",  # jupyter lab: never exits on its own
     # A benchmark at full size runs for a minute or more and measures nothing on a busy CI machine; its README
     # also shows a quick run of the same script, which runs here, and tests/test_benchmarks.py checks its output.
@@ -110,11 +113,29 @@ def test_only_allowed_reasons_leave_a_command_out():
     assert set(reasons.values()) <= NOT_RUN, reasons
 
 
+def test_the_set_up_line_is_the_test_commands_own():
+    """Why the set-up block may be left out: the test command (which .ci/run runs on a fresh clone) begins with it."""
+    (set_up,) = [b for b in COMMANDS if b.marker.get("not-run") == "is the set-up the test command starts with"]
+    (test_command,) = [b for b in COMMANDS if b.marker.get("not-run") == "is the test command itself"]
+    assert set_up.doc == test_command.doc == ROOT / "README.md"
+    assert test_command.commands()[0].startswith(set_up.commands()[0] + " && "), (set_up.body, test_command.body)
+
+
 def repo_copy(parent: Path) -> Path:
-    """A fresh copy of the repository: a block's commands write their runs/ (and notebooks) there."""
+    """A fresh copy of the repository: a block's commands write their runs/ (and notebooks) there.
+
+    Its `.venv` is the environment running these tests (the set-up line's, under .ci/run).
+    """
     copy = parent / "repo"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "__pycache__", ".*_cache",
                                                                ".ipynb_checkpoints", "slurm-*.out"))
+    if sys.prefix != sys.base_prefix:  # a virtual environment: link it whole (its python finds its packages so)
+        (copy / ".venv").symlink_to(sys.prefix)
+    else:  # run outside one (python3 -m pytest): .venv/bin/python is this interpreter
+        python = copy / ".venv" / "bin" / "python"
+        python.parent.mkdir(parents=True)
+        python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+        python.chmod(0o755)
     return copy
 
 

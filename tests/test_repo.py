@@ -21,6 +21,9 @@ EXPECTED_DIFFERENCES = {("07_model_parallel", "load_train_objs"): "builds the mo
                         ("08_fsdp", "Net"): "its width is a flag (--hidden), to show what sharding saves",
                         ("08_fsdp", "load_train_objs"): "shards the model before the optimizer takes its parameters",
                         ("08_fsdp", "state_of"): "gathers each sharded parameter and momentum buffer whole",
+                        ("09_tensor_parallel", "Net"): "08's: the width is a flag",
+                        ("09_tensor_parallel", "load_train_objs"): "splits and shards the model on the mesh given",
+                        ("09_tensor_parallel", "state_of"): "08's: gathers each split and sharded tensor whole",
                         ("recipes/uneven_inputs", "prepare_dataloader"): "an unpadded, uneven sampler: the recipe"}
 
 

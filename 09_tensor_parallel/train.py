@@ -1,0 +1,621 @@
+"""Stage 09: tensor parallelism splits every layer over processes; FSDP2 shards the rest over a 2-D mesh.
+
+Stage 08 on a mesh of dp x tp processes: within a row of tp processes every Linear is split
+(Megatron-style: one column-wise, the next row-wise), so they compute each layer together on the
+same samples; the dp rows see different samples and FSDP2 shards each row's pieces over them. The
+training is still stage 01's at the global batch dp * --batch-size.
+
+    torchrun --standalone --nproc_per_node=2 09_tensor_parallel/train.py --tp 2 --batch-size 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import pickle
+import re
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
+
+STAGE = "09_tensor_parallel"
+N_TRAIN, N_EVAL = 4096, 1001  # 1001 is odd: the held-out set never splits evenly over 2, 4 or 8 ranks
+N_FEATURES, N_CLASSES, HIDDEN = 8, 4, 64
+DTYPES = {"float32": torch.float32, "float64": torch.float64}  # --dtype
+
+
+def make_data(seed: int, dtype: torch.dtype = torch.float32) -> tuple[TensorDataset, TensorDataset]:
+    """A task with a known answer: the label is the argmax of a fixed random linear map of x."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N_TRAIN + N_EVAL, N_FEATURES, generator=g)
+    teacher = torch.randn(N_FEATURES, N_CLASSES, generator=g)
+    y = (x @ teacher).argmax(dim=1)
+    x = x.to(dtype)  # after the labels: the same task in either --dtype
+    return TensorDataset(x[:N_TRAIN], y[:N_TRAIN]), TensorDataset(x[N_TRAIN:], y[N_TRAIN:])
+
+
+class Net(nn.Module):
+    """A small MLP in two halves; stage 07 puts `body` and `head` on different devices."""
+
+    def __init__(self, hidden: int = HIDDEN) -> None:  # --hidden: a wider model shows the memory saved
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(N_FEATURES, hidden), nn.ReLU())
+        self.head = nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, N_CLASSES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def load_train_objs(args: argparse.Namespace, device: torch.device, mesh: DeviceMesh):
+    train_set, eval_set = make_data(args.seed, DTYPES[args.dtype])
+    torch.manual_seed(args.seed)  # the same initial weights in every stage (drawn in float32, then cast)
+    model = Net(args.hidden).to(device, DTYPES[args.dtype])
+    parallelize(model, mesh, args.reshard_after_forward)  # before the optimizer: it must hold the shards
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    return train_set, eval_set, model, optimizer
+
+
+def prepare_dataloader(dataset: Dataset, batch_size: int, rank: int, world_size: int, seed: int) -> DataLoader:
+    # Epoch e shuffles with torch.randperm(N, seed + e) as in stage 01, and rank r takes
+    # positions r, r+W, r+2W, ...: so the ranks' step k together covers stage 01's step k at batch W*b.
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+def make_mesh(device: torch.device, tp: int) -> DeviceMesh:
+    """Ranks in a grid of dp rows of tp: rank r sits in row r // tp, column r % tp (consecutive ranks: one node)."""
+    # An explicit mesh on the training device: the default is cuda wherever a GPU is visible (pytorch#132471).
+    return init_device_mesh(device.type, (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) -> None:
+    """Split every Linear over the tp ranks, then shard each block (a unit) over the dp ranks with FSDP2."""
+    # No broadcast here, unlike DDP's constructor: each rank keeps its slice of the weights it built, so
+    # every rank must build the same ones (the same seed), or the slices assemble into a patchwork.
+    parallelize_module(model, mesh["tp"], {
+        "body.0": ColwiseParallel(),  # its rows: each tp rank computes a slice of the hidden units, no talk
+        "head.0": RowwiseParallel(),  # its columns, matching that slice: partial sums, all-reduced over tp
+        "head.2": ColwiseParallel(output_layouts=Replicate()),  # a slice of the classes each, all-gathered
+    })
+    for block in (model.body, model.head):  # in a transformer: each transformer block
+        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+    # Both warn on every rank about what is correct here: a unit's output is a view of the last split layer's
+    # (we never modify it in place), and a parameter split twice is gathered in two steps (only slower).
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+def full_model(model: nn.Module, hidden: int) -> nn.Module:
+    """The whole model, assembled from every rank's shards, on every rank: a plain Net again."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # all-gathers each shard
+    with torch.device("meta"):  # no memory and no random draws: the weights come from `state`
+        full = Net(hidden)
+    full.load_state_dict(state, assign=True)
+    return full
+
+
+def local_bytes(tensors) -> int:
+    """Bytes of this rank's pieces of some DTensors (what it really holds)."""
+    return sum(t.to_local().numel() * t.element_size() for t in tensors)
+
+
+def memory_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """What this rank holds after a step: its shards of the parameters, of their gradients, of SGD's momentum."""
+    params = list(model.parameters())
+    return {"params": local_bytes(params), "grads": local_bytes(p.grad for p in params if p.grad is not None),
+            "optimizer": local_bytes(optimizer.state[p]["momentum_buffer"] for p in params if p in optimizer.state)}
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collectives called while it is active, per mesh dimension: every one passes torch's dispatcher."""
+
+    FUNCTIONAL = {"all_reduce": "allreduce", "all_gather_into_tensor": "allgather",
+                  "reduce_scatter_tensor": "reduce_scatter"}  # DTensor's collectives, in c10d's names
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.dims = {mesh.get_group(dim).group_name: dim for dim in mesh.mesh_dim_names}
+        self.counts: dict[str, dict[str, int]] = {dim: {} for dim in mesh.mesh_dim_names}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = group = None
+        if func.namespace == "c10d":  # FSDP's, e.g. c10d._allgather_base_ -> "allgather"; the group is an argument
+            name = str(func.overloadpacket).removeprefix("c10d.").strip("_").removesuffix("_base")
+            group = next(dist.ProcessGroup.unbox(a).group_name for a in args
+                         if isinstance(a, torch.ScriptObject) and a._type().name() == "ProcessGroup")
+        elif func.namespace == "_c10d_functional" and func.overloadpacket.__name__ in self.FUNCTIONAL:  # DTensor's
+            name, group = self.FUNCTIONAL[func.overloadpacket.__name__], args[-1]  # the group's name comes last
+        if name is not None:
+            counts = self.counts[self.dims[group]]
+            counts[name] = counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+PROGRESS = "progress.json"  # beside the shards: epochs done, losses, and the settings the checkpoint was made with
+PROGRESS_KEYS = {"epochs_run", "losses", "steps", "seed", "global_batch", "dtype", "hidden", "world_size"}
+CHECKPOINT = re.compile(r"epoch_(\d{4,})")  # a complete checkpoint; "epoch_NNNN.tmp" is one being written
+
+
+class SnapshotError(Exception):
+    """A --snapshot directory that cannot be resumed from: reported in one line, exit status 2."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Reads a checkpoint's .metadata, which dcp.load unpickles as it is: only what metadata is made of passes."""
+
+    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+               ("pathlib", "WindowsPath"), ("collections", "OrderedDict"),
+               ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+    def find_class(self, module: str, name: str):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        # The metadata's own classes (dataclasses, an enum); not its module's functions, which a pickle could call.
+        metadata_class = module == "torch.distributed.checkpoint.metadata" and \
+            isinstance(getattr(dcp.metadata, name, None), type)
+        if (module, name) in self.ALLOWED or dtype or metadata_class:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata (a pickle that runs "
+                                     f"code?)")
+
+
+def checkpoints(directory: Path) -> list[Path]:
+    """The complete checkpoints in `directory`, oldest first."""
+    found = [p for p in directory.iterdir() if CHECKPOINT.fullmatch(p.name)] if directory.is_dir() else []
+    return sorted(found, key=lambda p: int(CHECKPOINT.fullmatch(p.name).group(1)))
+
+
+def load_snapshot(directory: Path, seed: int, global_batch: int, dtype: str, hidden: int) -> dict | None:
+    """Check the newest checkpoint in `directory` without reading its shards; None if there is none yet."""
+    strangers = [p.name for p in directory.iterdir() if not CHECKPOINT.fullmatch(p.name.removesuffix(".tmp"))] \
+        if directory.is_dir() else []
+    if strangers:
+        raise SnapshotError(f"{directory} is not a checkpoint directory of this stage (it holds {strangers[0]}); "
+                            f"give a new or empty directory")
+    if not (found := checkpoints(directory)):
+        return None
+    path = found[-1]
+    try:
+        progress = json.loads((path / PROGRESS).read_text())
+        with open(path / ".metadata", "rb") as f:  # what was saved, and where each piece lies
+            metadata = MetadataUnpickler(f).load()
+    except Exception as e:  # a file missing or unreadable
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SnapshotError(f"cannot load {path}: {first_line}") from e
+    if not isinstance(progress, dict) or not PROGRESS_KEYS <= progress.keys():
+        raise SnapshotError(f"{path / PROGRESS} is not this stage's (expected the keys {sorted(PROGRESS_KEYS)})")
+    expected = {f"model.{k}": list(v.shape) for k, v in Net(hidden).state_dict().items()}
+    found_shapes = {k: list(getattr(metadata.state_dict_metadata.get(k), "size", [])) for k in expected}
+    if found_shapes != expected:
+        raise SnapshotError(f"{path} holds another model's weights (keys or shapes differ from this Net with "
+                            f"--hidden {hidden})")
+    for piece in metadata.storage_data.values():  # a shard file missing or cut short: found now, not mid-load
+        file = path / piece.relative_path
+        if not file.exists() or file.stat().st_size < piece.offset + piece.length:
+            raise SnapshotError(f"{file} is {'truncated' if file.exists() else 'missing'}; that checkpoint is "
+                                f"incomplete")
+    made_with = (progress["seed"], progress["global_batch"], progress["dtype"])
+    if made_with != (seed, global_batch, dtype):
+        raise SnapshotError(f"{path} was made with --seed {made_with[0]}, global batch {made_with[1]} and "
+                            f"--dtype {made_with[2]}; resume with the same, or use another --snapshot")
+    return {"path": path, **progress}
+
+
+def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int) -> dict:
+    """Weights and momentum after `epoch` epochs, gathered whole from the shards, on the CPU: tour.py replays them."""
+    params = list(model.parameters())
+    # full_tensor() all-gathers a DTensor (every rank calls it, in the same order); on one rank it is the shard itself.
+    return {"epoch": epoch, "params": [p.detach().full_tensor().cpu().clone() for p in params],
+            "momentum": [optimizer.state[p]["momentum_buffer"].full_tensor().cpu().clone()
+                         if p in optimizer.state else None for p in params]}
+
+
+class Trainer:
+    def __init__(self, model: nn.Module, train_loader: DataLoader, optimizer: torch.optim.Optimizer,
+                 device: torch.device, master_process: bool, mesh: DeviceMesh, snapshot_path: Path | None = None,
+                 save_every: int = 1, snapshot: dict | None = None, seed: int = 0, hidden: int = HIDDEN) -> None:
+        self.model = model
+        self.train_loader = train_loader
+        self.optimizer = optimizer
+        self.device = device
+        self.master_process = master_process  # rank 0 alone logs
+        self.mesh = mesh
+        self.losses: list[float] = []
+        self.steps = 0
+        self.trajectory: list[dict] = []  # state_of() at the start and after every epoch
+        self.snapshot_path = snapshot_path  # a directory: one file of shards per rank in each checkpoint
+        self.save_every = save_every
+        self.seed = seed
+        self.hidden = hidden
+        self.epochs_run = 0
+        self.collectives: dict[str, dict[str, int]] | None = None  # those of the first step, per mesh dimension
+        if snapshot is not None:
+            self._load_snapshot(snapshot)
+
+    def _load_snapshot(self, snapshot: dict) -> None:
+        # The state dicts of *this* run's shards (on W' ranks): dcp.load fills each rank's pieces from
+        # whichever files hold them, so a checkpoint written by W ranks resumes on any number.
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)  # also makes SGD's (zero) buffers
+        state = {"model": model_state, "optimizer": optimizer_state, "rng_state": torch.get_rng_state()}
+        dcp.load(state, checkpoint_id=snapshot["path"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        torch.set_rng_state(state["rng_state"])
+        self.epochs_run, self.losses, self.steps = snapshot["epochs_run"], list(snapshot["losses"]), snapshot["steps"]
+
+    def _save_snapshot(self) -> None:
+        # This rank's shards (DTensors) of the model and of SGD's momentum, keyed by parameter name: no rank
+        # gathers the whole model. dcp.save writes one file per rank, then rank 0 the metadata (who holds what).
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        final = self.snapshot_path / f"epoch_{self.epochs_run:04d}"
+        tmp = final.with_name(final.name + ".tmp")
+        try:
+            dcp.save({"model": model_state, "optimizer": optimizer_state, "rng_state": torch.get_rng_state()},
+                     checkpoint_id=tmp)
+        except (Exception, dcp.CheckpointException) as e:  # raised on every rank if any rank failed to write
+            if self.master_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            causes = "; ".join(f"rank {r}: {exc}" for r, (exc, _) in e.failures.items()) \
+                if isinstance(e, dcp.CheckpointException) else str(e)
+            free = shutil.disk_usage(self.snapshot_path).free
+            kept = f"{checkpoints(self.snapshot_path)[-1]} is still the last checkpoint" \
+                if checkpoints(self.snapshot_path) else "there is no earlier checkpoint"
+            raise OSError(f"writing the checkpoint {tmp} failed ({causes}; {free} bytes free on that disk); "
+                          f"{kept}") from None
+        if self.master_process:
+            progress = {"epochs_run": self.epochs_run, "losses": self.losses, "steps": self.steps, "seed": self.seed,
+                        "global_batch": self.train_loader.batch_size * self.mesh["dp"].size(),
+                        "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+                        "hidden": self.hidden, "world_size": dist.get_world_size()}
+            (tmp / PROGRESS).write_text(json.dumps(progress) + "\n")
+            # The rename is atomic: a directory named epoch_N is complete, and a crash before this line
+            # leaves epoch_N.tmp, which is never loaded. Only then is the previous checkpoint removed.
+            os.replace(tmp, final)
+            for old in checkpoints(self.snapshot_path)[:-1]:
+                shutil.rmtree(old)
+
+    def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        # Sync points: before each unit's forward FSDP all-gathers its weights over dp, and frees them after;
+        # inside it, the tp ranks all-reduce head.0's partial sums and all-gather head.2's slices of the logits.
+        loss = F.cross_entropy(self.model(x), y)
+        # Sync points: the tp ranks all-reduce the gradient of head.2's input (each has one part of it); each
+        # unit is gathered again over dp for its backward, then its gradients are reduce-scattered over dp.
+        loss.backward()
+        self.optimizer.step()  # on this rank's shards only: no communication
+        self.steps += 1
+        return loss.detach()
+
+    def _run_epoch(self, epoch: int) -> float:
+        self.train_loader.sampler.set_epoch(epoch)  # without it, every epoch repeats epoch 0's order
+        total = torch.zeros((), device=self.device, dtype=torch.float64)  # float64 in either --dtype: stages compare it
+        for x, y in self.train_loader:
+            if self.collectives is None:  # this process's first step: count the collectives it makes
+                with CollectiveCounter(self.mesh) as counter:
+                    total += self._run_batch(x.to(self.device), y.to(self.device))
+                self.collectives = counter.counts
+            else:
+                total += self._run_batch(x.to(self.device), y.to(self.device))
+        # The tp ranks of a row saw the same samples, the rows different ones: the mean over rows is stage 01's loss.
+        dist.all_reduce(total, group=self.mesh.get_group("dp"))
+        return total.item() / (len(self.train_loader) * self.mesh["dp"].size())
+
+    def train(self, epochs: int) -> None:
+        self.trajectory.append(state_of(self.model, self.optimizer, self.epochs_run))
+        for epoch in range(self.epochs_run, epochs):  # a resumed run starts after the snapshot's last epoch
+            start = time.perf_counter()
+            self.losses.append(self._run_epoch(epoch))
+            self.trajectory.append(state_of(self.model, self.optimizer, epoch + 1))
+            self.epochs_run = epoch + 1
+            if self.master_process:
+                print(f"epoch {epoch + 1}/{epochs} | train loss {self.losses[-1]:.4f} "
+                      f"| {time.perf_counter() - start:.2f}s")
+            if self.snapshot_path is not None and self.epochs_run % self.save_every == 0:
+                self._save_snapshot()  # every rank: each writes its own shards
+                # Sync point: once any rank is past it, the checkpoint of this epoch is complete and
+                # renamed, so a failure from here on resumes from it on every rank alike.
+                dist.barrier()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset: Dataset, device: torch.device) -> tuple[float, float, int]:
+    """Return (sum of losses, number correct, number of samples) over `dataset`."""
+    model.eval()
+    loss_sum, correct = 0.0, 0
+    for x, y in DataLoader(dataset, batch_size=256):
+        logits = model(x.to(device))
+        loss_sum += F.cross_entropy(logits, y.to(device), reduction="sum").item()
+        correct += (logits.argmax(dim=1).cpu() == y).sum().item()
+    model.train()
+    return loss_sum, correct, len(dataset)
+
+
+def evaluate_distributed(model: nn.Module, dataset: Dataset, device: torch.device) -> tuple[float, float, int]:
+    """evaluate() over the whole dataset, split across ranks; every sample counts exactly once."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    # Rank r scores samples r, r+W, ...: no padding (DistributedSampler would repeat samples
+    # to even out the ranks, and they would be counted twice). Then one all_reduce adds the sums.
+    shard = Subset(dataset, range(rank, len(dataset), world_size))
+    totals = torch.tensor(evaluate(model, shard, device), dtype=torch.float64, device=device)
+    dist.all_reduce(totals)
+    loss_sum, correct, count = totals.tolist()
+    return loss_sum, correct, int(count)
+
+
+def replica_max_abs_diff(model: nn.Module) -> float:
+    """Gather every rank's parameters; return the largest difference from rank 0's."""
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return max((g - gathered[0]).abs().max().item() for g in gathered)
+
+
+def write_summary(out: Path, summary: dict, model: nn.Module, trajectory: list[dict]) -> None:
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    torch.save(model.state_dict(), out / "model.pt")
+    torch.save(trajectory, out / "trajectory.pt")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line naming the flag, exit 2 (no usage dump)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
+    return parse
+
+
+def ensure_writable(directory: Path) -> None:
+    """Create `directory` if needed and write a file there: mkdir alone succeeds on a read-only disk."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tempfile.TemporaryFile(dir=directory).close()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = ArgumentParser(prog=f"{STAGE}/train.py", description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=positive(int), default=20)
+    p.add_argument("--batch-size", type=positive(int), default=64, help="samples per step per process")
+    p.add_argument("--lr", type=positive(float), default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                   help="float64 rounds 5e8 times finer than float32: for checking results, not for speed")
+    p.add_argument("--out", type=Path, help="write summary.json, model.pt and trajectory.pt here")
+    p.add_argument("--timeout", type=positive(float), default=60.0,
+                   help="seconds a collective waits for the other ranks before the job fails")
+    p.add_argument("--snapshot", type=Path,
+                   help="checkpoint directory: resumed from if it holds one, written during training")
+    p.add_argument("--save-every", type=positive(int), default=1, help="epochs between checkpoints")
+    p.add_argument("--hidden", type=positive(int), default=HIDDEN,
+                   help=f"width of the hidden layers ({HIDDEN}: stage 01's model; wider: more to shard)")
+    p.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
+                   help="keep each unit gathered from its forward to its backward: fewer all-gathers, more memory")
+    p.add_argument("--tp", type=positive(int),
+                   help="tensor-parallel degree: processes that split every layer (default: those on this node, "
+                        "so tp talks inside a node and dp across nodes)")
+    args = p.parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if args.tp is None:
+        args.tp = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if world_size % args.tp:
+        p.error(f"argument --tp: {args.tp} does not divide the world size {world_size} (the mesh is dp x tp "
+                f"processes); use a divisor of {world_size}")
+    if args.hidden % args.tp or N_CLASSES % args.tp:
+        p.error(f"argument --tp: {args.tp} does not divide --hidden {args.hidden} and the {N_CLASSES} classes "
+                f"(each tp rank holds an equal slice of every layer); use one of "
+                f"{[d for d in range(1, N_CLASSES + 1) if args.hidden % d == 0 and N_CLASSES % d == 0]}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("argument --device: cuda asked but no GPU is visible; use --device cpu (or auto)")
+    n_gpus = torch.cuda.device_count() if pick_device(args.device).type == "cuda" else 0
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes torchrun started on this node
+    if n_gpus and local_world_size > n_gpus:
+        p.error(f"torchrun --nproc_per_node: {local_world_size} processes but {n_gpus} GPU(s) visible; "
+                f"use --nproc_per_node={n_gpus} or fewer (or --device cpu)")
+    if args.out is not None:
+        try:  # fail now, not after training
+            ensure_writable(args.out)
+        except OSError as e:
+            p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
+    if args.snapshot is not None:
+        if args.snapshot.exists() and not args.snapshot.is_dir():
+            p.error(f"argument --snapshot: {args.snapshot} is a file; give a directory (each rank writes its own "
+                    f"shards)")
+        try:  # fail now, not at the first save
+            ensure_writable(args.snapshot)
+        except OSError as e:
+            p.error(f"argument --snapshot: cannot write to {args.snapshot} ({e.strerror}); "
+                    f"choose a writable directory")
+    return args
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(choice)
+
+
+def restart_safe_store(timeout: float) -> dist.Store | None:
+    """torchrun's store, with a key prefix of its own for each restart of the group.
+
+    torchrun keeps one store across restarts, while torch assumes a fresh one per attempt
+    (pytorch/pytorch#135712): restarted workers can then read the previous attempt's addresses
+    and fail ("Gloo connectFullMesh failed ... Connection refused") or hang.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None  # not under torchrun's agent: init_process_group makes its own store
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=timeout))
+    return dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+
+
+def ddp_setup(ddp: bool, device: torch.device, timeout: float) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before any CUDA work, or every rank also allocates on GPU 0
+    # (torchrun already set OMP_NUM_THREADS=1, so the ranks do not oversubscribe the CPU cores.)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if ddp:  # sync point: init reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from torchrun's env
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout), store=restart_safe_store(timeout),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    else:  # plain `python train.py`: a group of one, kept in memory, so the rest runs unchanged
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=timeout))
+
+
+def gather_layout(node_rank: int, local_rank: int, mesh: DeviceMesh) -> list[dict]:
+    """Every rank's place in the job and in the mesh, gathered so rank 0 can show the whole grid."""
+    me = {"rank": dist.get_rank(), "node": node_rank, "local_rank": local_rank, "host": socket.gethostname(),
+          "dp": mesh.get_local_rank("dp"), "tp": mesh.get_local_rank("tp")}
+    layout: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(layout, me)
+    return layout
+
+
+def train(rank: int, world_size: int, device: torch.device, args: argparse.Namespace, mesh: DeviceMesh,
+          layout: list[dict], snapshot: dict | None) -> None:
+    master_process = rank == 0  # the *global* rank 0: one process in the whole job, not one per node
+    train_set, eval_set, model, optimizer = load_train_objs(args, device, mesh)
+    dp_rank, dp_size = mesh.get_local_rank("dp"), mesh["dp"].size()
+    # The data is split over the dp rows only: the tp ranks of a row compute on the same samples.
+    train_loader = prepare_dataloader(train_set, args.batch_size, dp_rank, dp_size, args.seed)
+    if master_process:
+        fallback = " (no GPU visible: using the CPU)" if args.device == "auto" and device.type == "cpu" else ""
+        print(f"[{STAGE}] world size {world_size} = dp {dp_size} x tp {args.tp} | backend {dist.get_backend()} | "
+              f"device {device.type}{fallback} | batch {args.batch_size} per dp rank, {args.batch_size * dp_size} "
+              f"global | {len(train_loader)} steps/epoch")
+        for p in layout:
+            print(f"  node {p['node']} ({p['host']}) | local rank {p['local_rank']} | global rank {p['rank']} | "
+                  f"dp {p['dp']} tp {p['tp']}")
+    # No wrapper: load_train_objs split and sharded the model in place, so `model` is the one we train.
+
+    trainer = Trainer(model, train_loader, optimizer, device, master_process, mesh, args.snapshot, args.save_every,
+                      snapshot, args.seed, args.hidden)
+    resumed_from = trainer.epochs_run
+    if master_process and resumed_from:
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # set by torchrun only; 0 on its first start
+        print(f"resumed from {snapshot['path']} (written by {snapshot['world_size']} ranks) after epoch "
+              f"{resumed_from}" + (f" (torchrun restart {restarts})" if restarts else ""))
+    start = time.perf_counter()
+    trainer.train(args.epochs)
+    seconds = time.perf_counter() - start
+
+    held: list[dict] = [{} for _ in range(world_size)]  # what each rank holds: bytes, and the shape of each shard
+    dist.all_gather_object(held, {"bytes": memory_of(model, optimizer),
+                                  "shapes": {n: list(p.to_local().shape) for n, p in model.named_parameters()}})
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # DTensor.numel(): the whole
+    full = full_model(model, args.hidden)  # on every rank: what each would hold as a DDP replica
+    loss_sum, correct, count = evaluate_distributed(full, eval_set, device)
+    # No replicas to compare (each rank holds other shards); the FSDP analogue: every rank assembled the same model.
+    max_diff = replica_max_abs_diff(full)
+    if master_process:
+        print(f"held-out: loss {loss_sum / count:.4f} | accuracy {correct / count:.2%} ({count} samples)")
+        print(f"assembled model: max |difference| from rank 0's = {max_diff:.3g} over {world_size} ranks")
+        print("model state per rank (bytes of parameters + gradients + momentum): "
+              + " | ".join(f"rank {r} {sum(h['bytes'].values()):,}" for r, h in enumerate(held))
+              + f"; a DDP replica holds {3 * full_bytes:,}")
+        if trainer.collectives is not None:
+            counts = " | ".join(f"{dim}: " + (", ".join(f"{n} {op}" for op, n in sorted(ops.items())) or "none")
+                                for dim, ops in trainer.collectives.items())
+            print(f"collectives in one step: {counts} (reshard_after_forward={args.reshard_after_forward})")
+    if master_process and args.out is not None:
+        global_batch = args.batch_size * dp_size
+        summary = {
+            "stage": STAGE, "world_size": world_size, "backend": dist.get_backend(), "device": device.type,
+            "global_batch": global_batch, "batch_size": args.batch_size, "epochs": args.epochs,
+            "lr": args.lr, "dtype": args.dtype, "seed": args.seed, "steps": trainer.steps, "losses": trainer.losses,
+            "eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_count": count,
+            "replica_max_abs_diff": max_diff, "seconds": seconds,
+            "hidden": args.hidden, "reshard_after_forward": args.reshard_after_forward, "dp": dp_size, "tp": args.tp,
+            "bytes_per_rank": [h["bytes"] for h in held], "shard_shapes": [h["shapes"] for h in held],
+            "full_bytes": {"params": full_bytes, "grads": full_bytes, "optimizer": full_bytes},
+            "collectives_per_step": trainer.collectives,
+            "nodes": len({p["node"] for p in layout}), "layout": layout,
+            "samples_per_s": (trainer.epochs_run - resumed_from) * len(train_loader) * global_batch / seconds,
+            "resumed_from_epoch": resumed_from,
+            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        }
+        write_summary(args.out, summary, full, trainer.trajectory)
+    if max_diff != 0:  # every rank computed the same max_diff, so all stop here together
+        raise RuntimeError(f"the ranks assembled different models (max |difference| {max_diff:.3g})")
+
+
+def explain_peer_failure(error: RuntimeError, timeout: float) -> str | None:
+    """One line for the two ways another rank's failure reaches this one; None for any other error."""
+    text = str(error).lower()
+    if "timed out" in text or "timeout" in text:
+        return (f"waited more than --timeout {timeout:g}s for another rank: it stalled, died or skipped a "
+                f"collective this rank called; raise --timeout only if a rank legitimately works alone that long")
+    if "connection closed by peer" in text or "connection reset by peer" in text:
+        return "another rank closed its connection (it died): its own error, or its launcher's, says why"
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    ddp = int(os.environ.get("RANK", -1)) != -1  # started by torchrun?
+    rank = int(os.environ.get("RANK", 0))  # global: decides logging and saving
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # index of this process on its node: picks the GPU
+    node_rank = int(os.environ.get("GROUP_RANK", 0))  # index of this node (--node_rank, or rendezvous order)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device("cuda", local_rank) if pick_device(args.device).type == "cuda" else torch.device("cpu")
+    try:  # check the checkpoint before joining the group: a bad one is one line and exit 2 on every rank
+        snapshot = None if args.snapshot is None else \
+            load_snapshot(args.snapshot, args.seed, args.batch_size * world_size // args.tp, args.dtype, args.hidden)
+    except SnapshotError as e:
+        print(f"{STAGE}/train.py: error: argument --snapshot: {e}", file=sys.stderr)
+        sys.exit(2)
+    if rank == 0 and args.snapshot is not None:  # a save cut short by a crash: never loaded, so never needed
+        for stale in args.snapshot.glob("epoch_*.tmp"):  # (no other rank writes before the group is joined)
+            shutil.rmtree(stale)
+    ddp_setup(ddp, device, args.timeout)
+    try:
+        mesh = make_mesh(device, args.tp)
+        train(rank, world_size, device, args, mesh, gather_layout(node_rank, local_rank, mesh), snapshot)
+    except RuntimeError as e:  # gloo raises a peer's death or stall here, as a timeout or a closed connection
+        if (hint := explain_peer_failure(e, args.timeout)) is not None:
+            print(f"[{STAGE}] rank {rank}: {hint}", file=sys.stderr)
+        raise
+    finally:
+        # On success train() has returned and its model is gone: destroying the group while a DDP
+        # model still holds it can hang a gloo process at exit (pytorch/pytorch#75097).
+        dist.destroy_process_group()
+    # Leave without Python's interpreter teardown: a gloo worker thread may still be releasing
+    # the last collective, which needs the GIL, and teardown aborts it ("terminate called
+    # without an active exception": 5 of 22 runs here; 0 of 60 with this exit). Nothing is left to clean up.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
