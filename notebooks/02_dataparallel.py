@@ -91,7 +91,7 @@ nb.show_diff("01_single_gpu", "02_dataparallel")
 # so per process and global are the same thing.
 
 # %%
-ref = nb.run(cfg.step("01_single_gpu"), "02_ref_01", quiet=True)
+ref = nb.reference(cfg)
 dp = nb.run(cfg.step("02_dataparallel"), "02_dataparallel")
 
 # %% [markdown]

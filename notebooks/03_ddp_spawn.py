@@ -141,7 +141,7 @@ nb.show_diff("02_dataparallel", "03_ddp_spawn")
 # subprocess, the way you would in a terminal: two ranks of batch 32, next to stage 01 at batch 64.
 
 # %%
-ref = nb.run(cfg.step("01_single_gpu"), "03_ref_01", quiet=True)
+ref = nb.reference(cfg)
 ddp = nb.run(cfg.step("03_ddp_spawn"), "03_ddp_spawn")
 
 # %% [markdown]

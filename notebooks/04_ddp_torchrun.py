@@ -69,7 +69,7 @@ nb.show_diff("03_ddp_spawn", "04_ddp_torchrun")
 # runs `python -m torch.distributed.run …`, the same program, so that it is this kernel's Python.
 
 # %%
-ref = nb.run(cfg.step("01_single_gpu"), "04_ref_01", quiet=True)
+ref = nb.reference(cfg)
 tr = nb.run(cfg.step("04_ddp_torchrun", "torchrun"), "04_torchrun")
 one = nb.run(cfg.step("04_ddp_torchrun", "python"), "04_python", quiet=True)
 

@@ -92,7 +92,7 @@ nb.show_diff("04_ddp_torchrun", "05_multinode")
 # machine would both claim `cuda:0`, so there the plan runs one node of two processes instead.
 
 # %%
-ref = nb.run(cfg.step("01_single_gpu"), "05_ref_01", quiet=True)
+ref = nb.reference(cfg)
 multi = nb.run(cfg.step("05_multinode"), "05_multinode")
 
 # %% [markdown]

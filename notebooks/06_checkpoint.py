@@ -88,7 +88,7 @@ nb.show_diff("05_multinode", "06_checkpoint")
 # The snapshot is deleted first, so that a previous execution of this notebook cannot be resumed from.
 
 # %%
-ref = nb.run(cfg.step("01_single_gpu"), "06_ref_01", quiet=True)
+ref = nb.reference(cfg)
 step = cfg.step("06_checkpoint")
 whole = nb.run(step, "06_uninterrupted", quiet=True)
 snapshot = nb.RUNS / "06_snapshot.pt"

@@ -104,7 +104,7 @@ nb.show_diff("06_checkpoint", "07_model_parallel")
 # `--nproc_per_node=2`, it would be two processes of two GPUs each, as in the picture.)
 
 # %%
-ref = nb.run(cfg.step("01_single_gpu"), "07_ref_01", quiet=True)
+ref = nb.reference(cfg)
 mp_run = nb.run(cfg.step("07_model_parallel"), "07_model_parallel")
 
 # %% [markdown]

@@ -56,7 +56,7 @@ nb.show_diff("06_checkpoint", "08_fsdp")
 # Stage 01 with one process of batch 64, then stage 08 under `torchrun` with two ranks of batch 32.
 
 # %%
-ref = nb.run(cfg.step("01_single_gpu"), "08_ref_01", quiet=True)
+ref = nb.reference(cfg)
 fsdp = nb.run(cfg.step("08_fsdp"), "08_fsdp")
 s = fsdp.summary
 

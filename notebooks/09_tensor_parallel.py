@@ -67,7 +67,7 @@ nb.show_diff("08_fsdp", "09_tensor_parallel")
 # each with half of every layer, so `--batch-size 64` is the global batch (dp × 64), stage 01's.
 
 # %%
-ref = nb.run(cfg.step("01_single_gpu"), "09_ref_01", quiet=True)
+ref = nb.reference(cfg)
 tp_run = nb.run(cfg.step("09_tensor_parallel"), "09_tensor_parallel")
 s = tp_run.summary
 print(f"mesh: dp {s['dp']} × tp {s['tp']}; global batch {s['global_batch']}")

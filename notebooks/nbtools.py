@@ -7,12 +7,14 @@ folder, which is where Jupyter and VS Code start their kernels. The launching it
 reports any process that outlived the launcher.
 
 Runs go to runs/notebooks/ in the repository (ignored by git), or to $NOTEBOOK_RUNS if it is set
-(the tests point it at a temporary directory).
+(the tests point it at a temporary directory, one for all the notebooks, so they share stage 01's
+reference run: `reference()`).
 """
 from __future__ import annotations
 
 import ast
 import difflib
+import json
 import os
 import shlex
 import shutil
@@ -41,8 +43,8 @@ RUNS = Path(os.environ.get("NOTEBOOK_RUNS") or ROOT / "runs" / "notebooks")
 WORLD, BATCH, EPOCHS, DTYPE = 2, 32, 8, "float64"  # 2 processes of batch 32 = global batch 64; 8 short epochs
 ATOL = tolerance(DTYPE)  # the tour's: sqrt(eps) of float64 (README.md: "Same weights, up to rounding")
 __all__ = ["ATOL", "BATCH", "DTYPE", "EPOCHS", "ROOT", "RUNS", "TORCHRUN", "WORLD", "Run", "Setup", "Step", "compare",
-           "load_stage", "max_abs_diff", "plot_runs", "run", "setup", "show", "show_diff", "show_outline", "shown",
-           "tolerance", "with_args"]
+           "load_stage", "max_abs_diff", "plot_runs", "reference", "run", "setup", "show", "show_diff", "show_outline",
+           "shown", "tolerance", "with_args"]
 
 
 def _in_kernel() -> bool:
@@ -148,6 +150,24 @@ def run(what: Step | list[list[str]], name: str, timeout: float = 120.0, env: di
     if not quiet:
         print(result.stdout.rstrip())
     print(f"(exit 0 after {result.seconds:.1f} s)\n")
+    return result
+
+
+def reference(cfg: Setup, quiet: bool = True, rerun: bool = False) -> Run:
+    """Stage 01 at the notebooks' settings, which every notebook compares with: run once per RUNS directory.
+
+    The command is recorded beside the run's output; a later notebook giving the same command reuses the run
+    (and says so) instead of starting it again. `rerun` (notebook 01's) runs it whatever was there.
+    """
+    step, out = cfg.step("01_single_gpu"), RUNS / "01_reference"
+    cmds, record = step.commands(out=out), out / "command.json"
+    earlier = json.loads(record.read_text()) if record.exists() and (out / "summary.json").exists() else {}
+    if not rerun and earlier.get("cmds") == cmds:
+        seconds = earlier["seconds"]
+        print(f"$ {shown(cmds[0])}\n(the same command ran in {out} already, in {seconds:.1f} s: reused)\n")
+        return Run(cmds[0], 0, "", "", seconds, out)
+    result = run(step, "01_reference", quiet=quiet)
+    record.write_text(json.dumps({"cmds": cmds, "seconds": result.seconds}))
     return result
 
 

@@ -177,11 +177,13 @@ def test_a_failing_cell_is_named(tmp_path, jupyter_env):
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs_top_to_bottom(name, jupyter_env, tmp_path):
-    """Headless, on a real kernel, in notebooks/ as a reader would; its runs go to a temporary directory."""
+def test_notebook_runs_top_to_bottom(name, jupyter_env):
+    """Headless, on a real kernel, in notebooks/ as a reader would; the runs go to a temporary directory that all the
+    notebooks share, as runs/notebooks/ is shared when a reader runs them: 01 makes stage 01's reference run, the
+    others reuse it (nbtools.reference)."""
     start = time.monotonic()
     try:
-        cells, failure = execute(NB_DIR / f"{name}.ipynb", {**jupyter_env, "NOTEBOOK_RUNS": str(tmp_path)}), None
+        cells, failure = execute(NB_DIR / f"{name}.ipynb", jupyter_env), None
     except NotebookFailed as e:
         failure = str(e)
     if failure:
