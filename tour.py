@@ -70,8 +70,10 @@ class Step:
 
     @property
     def env(self) -> dict[str, str]:
-        # Several "nodes" share this machine's cores; torchrun sets this only for nproc_per_node > 1.
-        return {"OMP_NUM_THREADS": "1"} if self.nnodes > 1 else {}
+        # One thread per process where torchrun does not set it (it does for nproc_per_node > 1): the model is
+        # tiny, so a second thread mostly waits (stage 01 alone here: the same time, 6.5 CPU-s instead of 5.3),
+        # spinning against whatever else runs (several "nodes" sharing the cores, a busy machine).
+        return {"OMP_NUM_THREADS": "1"} if self.launcher == "python" or self.nnodes > 1 else {}
 
 
 def plan(world: int, batch: int, epochs: int | None = None, device: str = "auto", dtype: str = "float64",

@@ -49,7 +49,7 @@ nb.show_outline("01_single_gpu")
 # `summary.json` and `model.pt` into the `--out` directory.
 
 # %%
-ref = nb.reference(cfg, quiet=False, rerun=True)  # the run the later notebooks compare with
+ref = nb.reference(cfg, quiet=False)  # the run the later notebooks compare with (nbtools.reference)
 
 # %% [markdown]
 # The summary is plain JSON: per-epoch mean training loss (`losses`), the held-out loss and

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import fcntl
 import json
 import os
 import shlex
@@ -153,22 +154,27 @@ def run(what: Step | list[list[str]], name: str, timeout: float = 120.0, env: di
     return result
 
 
-def reference(cfg: Setup, quiet: bool = True, rerun: bool = False) -> Run:
+def reference(cfg: Setup, quiet: bool = True) -> Run:
     """Stage 01 at the notebooks' settings, which every notebook compares with: run once per RUNS directory.
 
-    The command is recorded beside the run's output; a later notebook giving the same command reuses the run
-    (and says so) instead of starting it again. `rerun` (notebook 01's) runs it whatever was there.
+    The command and what it printed are recorded beside the run's output; a later notebook giving the same
+    command reuses the run (and says so) instead of starting it again. Delete RUNS/01_reference to run it afresh.
     """
     step, out = cfg.step("01_single_gpu"), RUNS / "01_reference"
     cmds, record = step.commands(out=out), out / "command.json"
-    earlier = json.loads(record.read_text()) if record.exists() and (out / "summary.json").exists() else {}
-    if not rerun and earlier.get("cmds") == cmds:
-        seconds = earlier["seconds"]
-        print(f"$ {shown(cmds[0])}\n(the same command ran in {out} already, in {seconds:.1f} s: reused)\n")
-        return Run(cmds[0], 0, "", "", seconds, out)
-    result = run(step, "01_reference", quiet=quiet)
-    record.write_text(json.dumps({"cmds": cmds, "seconds": result.seconds}))
-    return result
+    RUNS.mkdir(parents=True, exist_ok=True)
+    with open(RUNS / "01_reference.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another notebook may be making it right now: wait for it
+        earlier = json.loads(record.read_text()) if record.exists() and (out / "summary.json").exists() else {}
+        if earlier.get("cmds") == cmds:
+            print(f"$ {shown(cmds[0])}\n(the same command ran in {out} already, in {earlier['seconds']:.1f} s: "
+                  f"reused)")
+            if not quiet:
+                print(earlier["stdout"].rstrip())
+            return Run(cmds[0], 0, earlier["stdout"], "", earlier["seconds"], out)
+        result = run(step, "01_reference", quiet=quiet)
+        record.write_text(json.dumps({"cmds": cmds, "seconds": result.seconds, "stdout": result.stdout}))
+        return result
 
 
 def show_diff(old_stage: str, new_stage: str, context: int = 1) -> None:

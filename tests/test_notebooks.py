@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jupytext
@@ -176,19 +177,36 @@ def test_a_failing_cell_is_named(tmp_path, jupyter_env):
     assert "ValueError: boom 2" in message and "never reached" not in message, message
 
 
+@pytest.fixture(scope="module")
+def executions(request, jupyter_env) -> dict[str, tuple[list[float], float] | str]:
+    """Every selected notebook run on a fresh kernel, two at a time: {name: (seconds per cell, total) or the failure}.
+
+    Two at a time because one leaves a core idle much of the time (its kernel waits for the script it started,
+    often a single process). They share one runs directory, as runs/notebooks/ is shared when a reader runs
+    them: 01 makes stage 01's reference run and the others reuse it (nbtools.reference waits while it is made).
+    """
+    selected = [item.callspec.params["name"] for item in request.session.items
+                if item.originalname == "test_notebook_runs_top_to_bottom" and item.module is request.module]
+
+    def one(name: str) -> tuple[list[float], float] | str:
+        start = time.monotonic()
+        try:
+            cells = execute(NB_DIR / f"{name}.ipynb", jupyter_env)
+        except NotebookFailed as e:
+            return str(e)
+        return cells, time.monotonic() - start
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(selected, pool.map(one, selected), strict=True))
+
+
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs_top_to_bottom(name, jupyter_env):
-    """Headless, on a real kernel, in notebooks/ as a reader would; the runs go to a temporary directory that all the
-    notebooks share, as runs/notebooks/ is shared when a reader runs them: 01 makes stage 01's reference run, the
-    others reuse it (nbtools.reference)."""
-    start = time.monotonic()
-    try:
-        cells, failure = execute(NB_DIR / f"{name}.ipynb", jupyter_env), None
-    except NotebookFailed as e:
-        failure = str(e)
-    if failure:
-        pytest.fail(failure, pytrace=False)  # the cell, its source, its output and error: no test traceback
-    total = time.monotonic() - start
+def test_notebook_runs_top_to_bottom(name, executions):
+    """Headless, on a real kernel, in notebooks/ as a reader would; the runs go to a temporary directory."""
+    outcome = executions[name]
+    if isinstance(outcome, str):
+        pytest.fail(outcome, pytrace=False)  # the cell, its source, its output and error: no test traceback
+    cells, total = outcome
     slowest = max(range(len(cells)), key=cells.__getitem__)
     print(f"{name}: {total:.1f}s (slowest: cell {slowest}, {cells[slowest]:.1f}s)")
     assert total < 120, f"{name} took {total:.0f}s: a notebook should run in well under a minute"
