@@ -68,3 +68,11 @@ def test_every_recipe_is_in_the_recipes_readme():
     text = (ROOT / "recipes" / "README.md").read_text()
     missing = [recipe for recipe in RECIPES if f"{recipe}/train.py" not in text]
     assert RECIPES and not missing, f"recipes/README.md does not show how to run {missing}"
+
+
+def test_stage_09_checks_checkpoints_with_stage_08s_code():
+    """Why the fault battery's bad-checkpoint cases run on 08 alone: 09 reads and checks checkpoints with 08's code."""
+    pieces = ["load_snapshot", "checkpoints", "MetadataUnpickler", "SnapshotError"]
+    drifted = [name for name in pieces if inspect.getsource(getattr(load_stage("08_fsdp"), name))
+               != inspect.getsource(getattr(load_stage("09_tensor_parallel"), name))]
+    assert not drifted, f"09_tensor_parallel's {drifted} differ from 08_fsdp's: add 09 to the checkpoint faults"
