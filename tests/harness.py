@@ -47,8 +47,8 @@ RECIPES = sorted(f"recipes/{p.parent.name}" for p in ROOT.glob("recipes/*/train.
 __all__ = ["ROOT", "RECIPES", "STAGES", "TORCHRUN", "Fault", "Job", "Run", "Step", "assert_same_training", "check",
            "clean_env", "free_port", "gradient_bytes", "group_of_one", "launch", "launch_commands", "load_copy",
            "load_stage", "max_abs_diff", "max_gap", "mutate", "plan", "replay_error", "restore_state", "run_command",
-           "run_job", "run_slurm_command", "slurm_missing", "state_gap", "tolerance", "with_args", "with_batch",
-           "workers"]
+           "run_job", "run_slurm_command", "selected", "slurm_missing", "state_gap", "tolerance", "with_args",
+           "with_batch", "workers"]
 
 
 def launch(step: Step, out: Path | None = None, script: Path | None = None, timeout: float = 120.0,
@@ -129,6 +129,12 @@ def with_batch(step: Step, batch: int) -> Step:
     args = list(step.args)
     args[args.index("--batch-size") + 1] = str(batch)
     return replace(step, args=tuple(args))
+
+
+def selected(request: pytest.FixtureRequest, test: str, param: str) -> list:
+    """The `param` of each selected item of `test` in the requesting module: what a module-wide fixture runs at once."""
+    return [item.callspec.params[param] for item in request.session.items
+            if item.originalname == test and item.module is request.module]
 
 
 def check(run: Run) -> Run:

@@ -54,6 +54,7 @@ from harness import (
     load_copy,
     load_stage,
     mutate,
+    selected,
 )
 
 DDP_STAGES = [s for s in STAGES if s >= "03"]
@@ -429,8 +430,7 @@ def place(paths) -> Iterator[Place]:
 @pytest.fixture(scope="module")
 def outcomes(place, request) -> dict[str, Outcome | BaseException]:
     """Every selected case's outcome, POOL cases at a time (the slow ones mostly wait)."""
-    selected = [item.callspec.params["case"] for item in request.session.items
-                if item.originalname == "test_fault" and item.module is request.module]
+    chosen = selected(request, "test_fault", "case")
 
     def one(case: Case) -> Outcome | BaseException:
         if case.needs and getattr(place, case.needs) is None:
@@ -441,7 +441,7 @@ def outcomes(place, request) -> dict[str, Outcome | BaseException]:
             return e
 
     with ThreadPoolExecutor(max_workers=POOL) as pool:
-        return dict(zip((c.id for c in selected), pool.map(one, selected), strict=True))
+        return dict(zip((c.id for c in chosen), pool.map(one, chosen), strict=True))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

@@ -23,7 +23,7 @@ from jupytext.compare import NotebookDifference, compare_notebooks
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
-from harness import ROOT, STAGES
+from harness import ROOT, STAGES, selected
 
 NB_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(p.stem for p in NB_DIR.glob("*.ipynb"))
@@ -185,8 +185,7 @@ def executions(request, jupyter_env) -> dict[str, tuple[list[float], float] | st
     often a single process). They share one runs directory, as runs/notebooks/ is shared when a reader runs
     them: 01 makes stage 01's reference run and the others reuse it (nbtools.reference waits while it is made).
     """
-    selected = [item.callspec.params["name"] for item in request.session.items
-                if item.originalname == "test_notebook_runs_top_to_bottom" and item.module is request.module]
+    chosen = selected(request, "test_notebook_runs_top_to_bottom", "name")
 
     def one(name: str) -> tuple[list[float], float] | str:
         start = time.monotonic()
@@ -197,7 +196,7 @@ def executions(request, jupyter_env) -> dict[str, tuple[list[float], float] | st
         return cells, time.monotonic() - start
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(selected, pool.map(one, selected), strict=True))
+        return dict(zip(chosen, pool.map(one, chosen), strict=True))
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, Run, free_port, run_job, slurm_missing
+from harness import ROOT, Run, free_port, run_job, selected, slurm_missing
 
 NOT_RUN = {  # the only reasons a command may be left out
     "needs GPUs", "needs several hosts",
@@ -183,10 +183,9 @@ LONGEST = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", ROOT / "recipe
 @pytest.fixture(scope="module")
 def outcomes(request, tmp_path_factory) -> dict[str, Run | BaseException]:
     """Every selected block's run: each README's blocks in order in one copy, three READMEs at a time."""
-    selected = [item.callspec.params["block"] for item in request.session.items
-                if item.originalname == "test_readme_command_runs_as_written" and item.module is request.module]
+    chosen = selected(request, "test_readme_command_runs_as_written", "block")
     docs: dict[Path, list[Block]] = {}
-    for block in selected:
+    for block in chosen:
         if not why_skipped(block):
             docs.setdefault(block.doc, []).append(block)
     tmp = tmp_path_factory.mktemp("readme")
