@@ -43,6 +43,8 @@ NOT_RUN = {  # the only reasons a command may be left out
     "is the test command itself",  # .ci/run runs it
     "is the set-up the test command starts with",  # .ci/run runs that too, in a fresh clone
     "starts an interactive server",  # jupyter lab: never exits on its own
+    # Two minutes each; tests/test_containers.py makes the same image from the same files and runs the compose job.
+    "builds a container image: tests/test_containers.py builds it and runs compose.yaml (podman)",
     # A benchmark at full size runs for a minute or more and measures nothing on a busy CI machine; its README
     # also shows a quick run of the same script, which runs here, and tests/test_benchmarks.py checks its output.
     "is a full benchmark run (a minute or more): the quick run below it and tests/test_benchmarks.py run the script",
