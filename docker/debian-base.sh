@@ -8,11 +8,10 @@ tag=${1:-localhost/ddp-debian-base:bookworm}
 engine=${2:-podman}
 mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 
-rootfs=$(mktemp -d)
-trap 'rm -rf "$rootfs"' EXIT
-debootstrap --variant=minbase --include=python3,python3-venv bookworm "$rootfs" "$mirror" >"$rootfs.log" 2>&1 \
-    || { tail -n 20 "$rootfs.log" >&2; rm -f "$rootfs.log"; exit 1; }
-rm -f "$rootfs.log"
+rootfs=$(mktemp -d) log=$(mktemp)
+trap 'rm -rf "$rootfs" "$log"' EXIT
+debootstrap --variant=minbase --include=python3,python3-venv bookworm "$rootfs" "$mirror" >"$log" 2>&1 \
+    || { tail -n 20 "$log" >&2; exit 1; }
 # What an image does not need: package lists and caches, documentation.
 rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/* "$rootfs"/usr/share/doc/* "$rootfs"/usr/share/man/*
 tar -C "$rootfs" -c . | "$engine" import --change 'CMD ["python3"]' - "$tag" >/dev/null
