@@ -39,9 +39,7 @@ def engine_missing() -> str | None:
 
 def podman(*args: str, timeout: float = 60.0, env: dict[str, str] | None = None) -> Run:
     """One engine command, bounded; fails the test with its output unless it exits 0."""
-    run = run_command(["podman", *args], env=env, timeout=timeout)
-    assert run.returncode == 0, run.describe()
-    return run
+    return check(run_command(["podman", *args], env=env, timeout=timeout))
 
 
 @pytest.fixture(scope="module")
@@ -68,15 +66,13 @@ def engine(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def image(engine, tmp_path_factory) -> str:
     """docker/Dockerfile built on a debootstrapped Debian, torch from the host's pinned wheel."""
-    base = run_command([str(ROOT / "docker" / "debian-base.sh"), BASE], env=engine, timeout=600)
-    assert base.returncode == 0, base.describe()
+    check(run_command([str(ROOT / "docker" / "debian-base.sh"), BASE], env=engine, timeout=600))
     # The wheels the image's pip installs, fetched as docker/README.md's offline build does: its Python
     # (Debian 12's 3.11) and requirements.txt's pins.
     wheels = tmp_path_factory.mktemp("wheels")
-    fetch = run_command([sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
-                         "--python-version", "3.11", "--dest", str(wheels), "torch", "numpy",
-                         "--constraint", str(ROOT / "requirements.txt")], timeout=600)
-    assert fetch.returncode == 0, fetch.describe()
+    check(run_command([sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
+                       "--python-version", "3.11", "--dest", str(wheels), "torch", "numpy",
+                       "--constraint", str(ROOT / "requirements.txt")], timeout=600))
     build = podman("build", "--file", "docker/Dockerfile", "--tag", IMAGE, "--build-arg", f"BASE={BASE}",
                    "--build-arg", "PIP_OPTIONS=--no-index --find-links /wheels", "--volume", f"{wheels}:/wheels:ro",
                    ".", env=engine, timeout=900)
@@ -90,8 +86,11 @@ def test_two_containers_on_a_bridge_network_reach_stage_01s_weights(runs, image,
     compose = ["podman-compose", "--file", str(ROOT / "docker" / "compose.yaml"), "--project-name", PROJECT]
     assert STEP.nproc == 1 and STEP.nnodes == 2, STEP  # compose.yaml's shape: two nodes, one process each
     try:
-        up = run_command([*compose, "up", "--detach", "--no-build"], env=env, timeout=120)
-        assert up.returncode == 0, up.describe()
+        # Not through run_command: `up --detach` leaves the engine's helpers running on purpose (seen: one
+        # process beside the containers), and the harness kills whatever a command leaves behind.
+        up = subprocess.run([*compose, "up", "--detach", "--no-build"], env={**os.environ, **env},
+                            capture_output=True, text=True, timeout=120)
+        assert up.returncode == 0, f"{up.stdout}\n{up.stderr}"
         nodes = [f"{PROJECT}_node{i}_1" for i in range(2)]
         waited = run_command(["podman", "wait", *nodes], env=env, timeout=180)
         if waited.returncode is None:
