@@ -3,6 +3,7 @@
     python tour.py                    # GPUs if visible (nccl), else the CPU (gloo); float64
     python tour.py --dtype float32    # the precision training uses: rounding 5e8 times coarser
     python tour.py --epochs 5         # quicker
+    python tour.py --out runs/tour    # keep every run's files (summary.json, model.pt, ...) to look at
 
 Each stage trains the same model on the same data in the same order; the distributed ones
 use W processes of batch b, the single-process ones batch W*b. Only the way the work is
@@ -264,6 +265,20 @@ def run_job(cmds: list[list[str]], out: Path | None = None, env: dict[str, str] 
                seconds, out, survivors)
 
 
+def save_run(run: Run, step: Step, out: Path) -> None:
+    """Write out/run.json beside the run's own files: which step it was, the command, its exit and what it printed."""
+    record = {"stage": step.stage, "launcher": step.launcher, "label": step.label, "cmd": run.cmd,
+              "returncode": run.returncode, "seconds": run.seconds, "survivors": run.survivors,
+              "stdout": run.stdout, "stderr": run.stderr}
+    (out / "run.json").write_text(json.dumps(record, indent=1))
+
+
+def load_run(out: Path) -> tuple[dict, Run]:
+    """A run that save_run() recorded (the tour's --out): (its record, the Run as run_job returned it)."""
+    r = json.loads((out / "run.json").read_text())
+    return r, Run(r["cmd"], r["returncode"], r["stdout"], r["stderr"], r["seconds"], out, r["survivors"])
+
+
 def run_command(cmd: list[str], out: Path | None = None, env: dict[str, str] | None = None,
                 timeout: float = 180.0, grace: float = 5.0) -> Run:
     """Run one command in its own process group (see run_job)."""
@@ -425,9 +440,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, help="epochs per stage (default: the stages' own)")
     p.add_argument("--batch-size", type=int, default=32, help="per-process batch b of the distributed stages")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one stage may take before it is killed")
+    p.add_argument("--out", type=Path,
+                   help="keep every run's files in OUT/<row>-<stage>-<launcher>/: its summary.json, model.pt, "
+                        "trajectory.pt and run.json (the command and what it printed); default: a temporary "
+                        "directory, removed at the end")
     args = p.parse_args(argv)
     if args.batch_size < 1 or (args.epochs is not None and args.epochs < 1):
         p.error("--batch-size and --epochs must be positive")
+    if args.out is not None:
+        try:
+            args.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            p.error(f"--out {args.out}: {e.strerror}; give a directory you can write to")
 
     gpus = visible_gpus(args.device)
     world = gpus if gpus >= 2 else 2  # one process per GPU, or 2 CPU processes
@@ -445,15 +469,18 @@ def main(argv: list[str] | None = None) -> int:
     runs = [*steps, slurm_step] if slurm_skip is None else steps
 
     rows, reference, failed, drift, worst = [], None, False, 0.0, 0.0
-    with tempfile.TemporaryDirectory(prefix="ddp-tour-") as tmp:
+    with contextlib.ExitStack() as stack:
+        base = args.out or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ddp-tour-")))
         for i, step in enumerate(runs):
             print(f"[{i + 1}/{len(runs)}] {step.stage} via {step.label} ...", end=" ", flush=True)
-            out = Path(tmp) / str(i)
+            out = base / f"{i + 1:02d}-{step.stage}-{step.launcher}"
+            shutil.rmtree(out, ignore_errors=True)  # nothing left over from an earlier tour
+            out.mkdir()
             if step.launcher == "sbatch":
-                out.mkdir()
                 run = run_slurm_job(world, list(step.args), out, timeout=args.timeout)
             else:
                 run = run_job(step.commands(out=out), out, step.env, timeout=args.timeout)
+            save_run(run, step, out)
             if run.returncode != 0:
                 print(f"FAILED\n{run.describe()}")
                 failed = True

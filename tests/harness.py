@@ -27,6 +27,7 @@ from tour import (  # noqa: E402
     Step,
     clean_env,
     free_port,
+    load_run,
     load_stage,
     max_abs_diff,
     max_gap,
@@ -46,9 +47,9 @@ STAGES = sorted(p.parent.name for p in ROOT.glob("[0-9][0-9]_*/train.py"))
 RECIPES = sorted(f"recipes/{p.parent.name}" for p in ROOT.glob("recipes/*/train.py"))
 __all__ = ["ROOT", "RECIPES", "STAGES", "TORCHRUN", "Fault", "Job", "Run", "Step", "assert_same_training", "check",
            "clean_env", "free_port", "gradient_bytes", "group_of_one", "launch", "launch_commands", "load_copy",
-           "load_stage", "max_abs_diff", "max_gap", "mutate", "plan", "replay_error", "restore_state", "run_command",
-           "run_job", "run_slurm_command", "selected", "slurm_missing", "state_gap", "tolerance", "with_args",
-           "with_batch", "workers"]
+           "load_run", "load_stage", "max_abs_diff", "max_gap", "mutate", "plan", "replay_error", "restore_state",
+           "run_command", "run_job", "run_slurm_command", "selected", "slurm_missing", "state_gap", "tolerance",
+           "with_args", "with_batch", "workers"]
 
 
 def launch(step: Step, out: Path | None = None, script: Path | None = None, timeout: float = 120.0,

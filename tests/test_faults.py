@@ -59,6 +59,9 @@ from harness import (
 
 DDP_STAGES = [s for s in STAGES if s >= "03"]
 SNAPSHOT_STAGES = ["06_checkpoint", "07_model_parallel"]  # --snapshot is a file
+# The bad-snapshot and full-disk cases run on 06 alone: 07 reads, checks and writes snapshots with 06's code
+# (test_repo.test_stage_07_handles_snapshots_with_stage_06s_code), and each case launches a process (~4 CPU-s).
+SNAPSHOT_STAGE = "06_checkpoint"
 CHECKPOINT_STAGE = "08_fsdp"  # --snapshot is a directory of shards (torch.distributed.checkpoint)
 CHECKPOINT_STAGES = [CHECKPOINT_STAGE, "09_tensor_parallel"]  # 09 keeps 08's checkpoints
 TIMEOUT = 5  # --timeout in the stall cases: how long the healthy ranks wait for the stalled one
@@ -343,14 +346,14 @@ def cases() -> list[Case]:
     for kind in ["truncated", "missing", "foreign", "payload", "other_model", "other_seed", "other_dtype"]:
         out.append(Case(f"08-checkpoint-{kind}", CHECKPOINT_STAGE, f"--snapshot directory: {kind.replace('_', ' ')}",
                         2, START, "argument --snapshot: ", checkpoint_dir(kind), one_line=True, also=left_alone))
-    for stage in SNAPSHOT_STAGES:
-        out.append(Case(f"{stage[:2]}-disk-full", stage, "the disk fills up before a snapshot is saved", None,
-                        START, "still holds the previous snapshot", disk_fills_up(stage), also=left_alone,
-                        needs="full_disk"))
-        for kind in ["truncated", "not_torch", "foreign", "payload", "other_model", "other_seed", "other_dtype"]:
-            out.append(Case(f"{stage[:2]}-snapshot-{kind}", stage, f"--snapshot is {kind.replace('_', ' ')}", 2,
-                            START, "argument --snapshot: ", snapshot_file(stage, kind), one_line=True,
-                            also=left_alone))
+    stage = SNAPSHOT_STAGE
+    out.append(Case(f"{stage[:2]}-disk-full", stage, "the disk fills up before a snapshot is saved", None,
+                    START, "still holds the previous snapshot", disk_fills_up(stage), also=left_alone,
+                    needs="full_disk"))
+    for kind in ["truncated", "not_torch", "foreign", "payload", "other_model", "other_seed", "other_dtype"]:
+        out.append(Case(f"{stage[:2]}-snapshot-{kind}", stage, f"--snapshot is {kind.replace('_', ' ')}", 2,
+                        START, "argument --snapshot: ", snapshot_file(stage, kind), one_line=True,
+                        also=left_alone))
     for stage in STAGES:
         args, flag = LAUNCHED_BAD_VALUE, bad_values(stage)[LAUNCHED_BAD_VALUE]
         out.append(Case(f"{stage[:2]}{' '.join(args)}", stage, f"bad value {' '.join(args)}", 2, START,

@@ -1,22 +1,13 @@
 """Every command the READMEs show runs as written, and every code excerpt is the code: the docs cannot drift.
 
-Code blocks in README files are tagged: ```bash for commands, ```text for output, ```python for an
-excerpt of the train.py beside the README (checked against it, line by line). A bash block
-runs as one script from the root of a fresh copy of the repository (its `runs/` fill up there,
-not here), with this interpreter first on PATH, under a time limit. A README's blocks run in
-order, in one copy, as a reader runs them (a later block may use what an earlier one made); three
-READMEs run at a time, each in a copy of its own: much of their time is spent starting Python and
-importing torch on one core, or waiting (for a Slurm job, a rendezvous). A comment line just
-before a block can say how:
+How blocks are tagged and run, and the markers that say how: tests/readme_blocks.py. A ```python block is
+checked against the train.py beside its README, line by line. A README's bash blocks run in order, in one
+copy of the repository, as a reader runs them (a later block may use what an earlier one made); three
+READMEs run at a time, each in a copy of its own: much of their time is spent starting Python and importing
+torch on one core, or waiting (for a Slurm job, a rendezvous). The top README's tour is the exception: it runs
+once per session for the whole suite (conftest.tour; its runs are the equivalence tests' `runs`), and its
+test here checks that run.
 
-    <!-- not-run: needs GPUs -->        skipped, with one of the reasons in NOT_RUN
-    <!-- run: together -->              each command at once, as in two terminals, then wait for all
-    <!-- run: as root -->               skipped unless root (network namespaces)
-    <!-- run: with slurm -->            skipped where Slurm cannot run (see tour.slurm_missing)
-    <!-- expect: <text> -->             the output must contain <text>
-
-Several may be combined with ";". The one change made to a command: ports written as 29xxx become
-free ports (the same one for the same number within a file), since the tests never use a fixed port.
 Each block runs with OMP_NUM_THREADS=1 (see run_block). The README's set-up line (`python3 -m venv .venv &&
 .venv/bin/pip install -r requirements.txt`) is not run again here: the test command starts with it, and .ci/run
 runs that in a fresh clone (test_the_set_up_line_is_the_test_commands_own checks they are the same). The copy's
@@ -25,18 +16,14 @@ runs that in a fresh clone (test_the_set_up_line_is_the_test_commands_own checks
 from __future__ import annotations
 
 import os
-import re
-import shlex
-import shutil
-import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from harness import ROOT, Run, free_port, run_job, selected, slurm_missing
+from harness import ROOT, Run, selected, slurm_missing
+from readme_blocks import BLOCKS, COMMANDS, TOURS, Block, repo_copy, run_block
 
 NOT_RUN = {  # the only reasons a command may be left out
     "needs GPUs", "needs several hosts",
@@ -49,49 +36,6 @@ NOT_RUN = {  # the only reasons a command may be left out
     # also shows a quick run of the same script, which runs here, and tests/test_benchmarks.py checks its output.
     "is a full benchmark run (a minute or more): the quick run below it and tests/test_benchmarks.py run the script",
 }
-DOCS = sorted(p for p in ROOT.rglob("README.md") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts))
-FENCE = re.compile(r"(?:<!-- (?P<marker>[^>]*?) -->\n)?```(?P<lang>[^\n]*)\n(?P<body>.*?)```", re.S)
-
-
-@dataclass(frozen=True)
-class Block:
-    doc: Path
-    line: int
-    lang: str
-    body: str
-    marker: dict[str, str]
-
-    @property
-    def id(self) -> str:
-        return f"{self.doc.relative_to(ROOT)}:{self.line}"
-
-    def commands(self) -> list[str]:
-        """The block's commands: continuation lines joined, comment-only and blank lines dropped."""
-        joined = re.sub(r"\\\n\s*", " ", self.body)
-        return [line for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
-
-
-def blocks() -> list[Block]:
-    found = []
-    for doc in DOCS:
-        text = doc.read_text()
-        for m in FENCE.finditer(text):
-            marker = {}
-            for item in (m.group("marker") or "").split(";"):
-                key, _, value = item.partition(":")
-                if key.strip():
-                    marker[key.strip()] = value.strip()
-            if "test-command" in marker:  # README.md's test command: .ci/run runs it
-                marker["not-run"] = "is the test command itself"
-            line = text[:m.start("lang")].count("\n") + 1
-            found.append(Block(doc, line, m.group("lang").strip(), m.group("body"), marker))
-    return found
-
-
-BLOCKS = blocks()
-COMMANDS = [b for b in BLOCKS if b.lang == "bash"]
-
-
 def test_every_code_block_says_whether_it_is_commands_or_output():
     untagged = [b.id for b in BLOCKS if b.lang not in ("bash", "text", "python")]
     assert not untagged, (f"tag these blocks ```bash (commands, run by this test), ```text (output) or ```python "
@@ -123,33 +67,6 @@ def test_the_set_up_line_is_the_test_commands_own():
     assert test_command.commands()[0].startswith(set_up.commands()[0] + " && "), (set_up.body, test_command.body)
 
 
-def repo_copy(parent: Path) -> Path:
-    """A fresh copy of the repository: a block's commands write their runs/ (and notebooks) there.
-
-    Its `.venv` is the environment running these tests (the set-up line's, under .ci/run).
-    """
-    copy = parent / "repo"
-    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "__pycache__", ".*_cache",
-                                                               ".ipynb_checkpoints", "slurm-*.out"))
-    if sys.prefix != sys.base_prefix:  # a virtual environment: link it whole (its python finds its packages so)
-        (copy / ".venv").symlink_to(sys.prefix)
-    else:  # run outside one (python3 -m pytest): .venv/bin/python is this interpreter
-        python = copy / ".venv" / "bin" / "python"
-        python.parent.mkdir(parents=True)
-        python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
-        python.chmod(0o755)
-    return copy
-
-
-PORTS: dict[tuple[Path, str], str] = {}
-
-
-def with_free_ports(block: Block, text: str) -> str:
-    def port(m: re.Match) -> str:
-        return PORTS.setdefault((block.doc, m.group(0)), str(free_port()))
-    return re.sub(r"\b29\d{3}\b", port, text)
-
-
 def why_skipped(block: Block) -> str | None:
     if "not-run" in block.marker:
         return block.marker["not-run"]
@@ -161,24 +78,10 @@ def why_skipped(block: Block) -> str | None:
     return None
 
 
-def run_block(block: Block, copy: Path) -> Run:
-    bash = ["bash", "-euo", "pipefail", "-c"]
-    if "together" in block.marker.get("run", ""):  # as in several terminals: all at once
-        cmds = [[*bash, with_free_ports(block, c)] for c in block.commands()]
-    else:
-        cmds = [[*bash, with_free_ports(block, block.body)]]
-    env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # `python`, `torchrun`: ours
-           # Three READMEs share 2 cores: one thread per process, as torchrun gives its workers. With torch's
-           # default (a thread per core) a lone `python train.py` waits on its descheduled second thread at every
-           # op: measured here at 4-12 s an epoch instead of 0.1 s. The results do not depend on it.
-           "OMP_NUM_THREADS": "1"}
-    return run_job(cmds, env=env, timeout=420, cwd=copy)
-
-
-# Started first, so that the shorter READMEs fill in beside them (measured here, each alone: the top README's
-# tour 140 s, the benchmarks' 70 s, the hooks recipe's 45 s, stage 03's and 08's 30 s, Slurm's mostly waiting;
-# the others 25 s or less. Three at a time on 2 cores, each takes about twice as long).
-LONGEST = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", ROOT / "recipes" / "comm_hooks" / "README.md",
+# Started first, so that the shorter READMEs fill in beside them (measured here, each alone: the benchmarks' 70 s,
+# the hooks recipe's 45 s, stage 03's and 08's 30 s, Slurm's mostly waiting; the others 25 s or less. Three at a
+# time on 2 cores, each takes about twice as long). The top README's tour runs once per session (conftest.tour).
+LONGEST = [ROOT / "benchmarks" / "README.md", ROOT / "recipes" / "comm_hooks" / "README.md",
            ROOT / "03_ddp_spawn" / "README.md", ROOT / "08_fsdp" / "README.md", ROOT / "slurm" / "README.md"]
 
 
@@ -188,7 +91,7 @@ def outcomes(request, tmp_path_factory) -> dict[str, Run | BaseException]:
     chosen = selected(request, "test_readme_command_runs_as_written", "block")
     docs: dict[Path, list[Block]] = {}
     for block in chosen:
-        if not why_skipped(block):
+        if not why_skipped(block) and block not in TOURS:
             docs.setdefault(block.doc, []).append(block)
     tmp = tmp_path_factory.mktemp("readme")
 
@@ -208,10 +111,10 @@ def outcomes(request, tmp_path_factory) -> dict[str, Run | BaseException]:
 
 
 @pytest.mark.parametrize("block", COMMANDS, ids=[b.id for b in COMMANDS])
-def test_readme_command_runs_as_written(block, outcomes):
+def test_readme_command_runs_as_written(block, outcomes, request):
     if why := why_skipped(block):
         pytest.skip(why)
-    run = outcomes[block.id]
+    run = request.getfixturevalue("tour").run if block in TOURS else outcomes[block.id]
     if isinstance(run, BaseException):
         raise run
     where = f"{block.id}\n{run.describe()}"

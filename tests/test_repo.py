@@ -1,10 +1,13 @@
 """The repository keeps its promises: lint-clean, CI runs the README's command, stages share one vocabulary."""
 from __future__ import annotations
 
+import ast
 import inspect
+import operator
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -68,6 +71,24 @@ def test_every_recipe_is_in_the_recipes_readme():
     text = (ROOT / "recipes" / "README.md").read_text()
     missing = [recipe for recipe in RECIPES if f"{recipe}/train.py" not in text]
     assert RECIPES and not missing, f"recipes/README.md does not show how to run {missing}"
+
+
+def test_stage_07_handles_snapshots_with_stage_06s_code():
+    """Why the fault battery's bad-snapshot and full-disk cases run on 06 alone: 07 reads, checks, refuses and
+    writes snapshots with 06's code (compared as syntax trees: a comment may differ)."""
+    s06, s07 = load_stage("06_checkpoint"), load_stage("07_model_parallel")
+
+    def tree(obj) -> str:
+        return ast.dump(ast.parse(textwrap.dedent(inspect.getsource(obj))))
+
+    pieces = ["load_snapshot", "SnapshotError", "Trainer._load_snapshot", "Trainer._save_snapshot"]
+    drifted = [name for name in pieces
+               if tree(operator.attrgetter(name)(s06)) != tree(operator.attrgetter(name)(s07))]
+    assert not drifted, f"07_model_parallel's {drifted} differ from 06_checkpoint's: add 07 to the snapshot faults"
+    refusal = ("    except SnapshotError as e:\n"
+               "        print(f\"{STAGE}/train.py: error: argument --snapshot: {e}\", file=sys.stderr)\n"
+               "        sys.exit(2)\n")
+    assert all(refusal in inspect.getsource(stage.main) for stage in (s06, s07)), "the refusal in main() differs"
 
 
 def test_stage_09_checks_checkpoints_with_stage_08s_code():

@@ -1,0 +1,114 @@
+"""The READMEs' code blocks, and how a block of commands runs: what test_readme_commands.py checks, and
+what conftest.py runs once for the whole session (the top README's tour, whose runs the equivalence tests read).
+
+Code blocks in README files are tagged: ```bash for commands, ```text for output, ```python for an
+excerpt of the train.py beside the README. A bash block runs as one script from the root of a fresh
+copy of the repository (its `runs/` fill up there, not here), with this interpreter first on PATH,
+under a time limit. A comment line just before a block can say how:
+
+    <!-- not-run: needs GPUs -->        skipped, with one of the reasons in test_readme_commands.NOT_RUN
+    <!-- run: together -->              each command at once, as in two terminals, then wait for all
+    <!-- run: as root -->               skipped unless root (network namespaces)
+    <!-- run: with slurm -->            skipped where Slurm cannot run (see tour.slurm_missing)
+    <!-- expect: <text> -->             the output must contain <text>
+
+Several may be combined with ";". The one change made to a command: ports written as 29xxx become
+free ports (the same one for the same number within a file), since the tests never use a fixed port.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness import ROOT, Run, free_port, run_job
+
+DOCS = sorted(p for p in ROOT.rglob("README.md") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts))
+FENCE = re.compile(r"(?:<!-- (?P<marker>[^>]*?) -->\n)?```(?P<lang>[^\n]*)\n(?P<body>.*?)```", re.S)
+
+
+@dataclass(frozen=True)
+class Block:
+    doc: Path
+    line: int
+    lang: str
+    body: str
+    marker: dict[str, str]
+
+    @property
+    def id(self) -> str:
+        return f"{self.doc.relative_to(ROOT)}:{self.line}"
+
+    def commands(self) -> list[str]:
+        """The block's commands: continuation lines joined, comment-only and blank lines dropped."""
+        joined = re.sub(r"\\\n\s*", " ", self.body)
+        return [line for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def blocks() -> list[Block]:
+    found = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in FENCE.finditer(text):
+            marker = {}
+            for item in (m.group("marker") or "").split(";"):
+                key, _, value = item.partition(":")
+                if key.strip():
+                    marker[key.strip()] = value.strip()
+            if "test-command" in marker:  # README.md's test command: .ci/run runs it
+                marker["not-run"] = "is the test command itself"
+            line = text[:m.start("lang")].count("\n") + 1
+            found.append(Block(doc, line, m.group("lang").strip(), m.group("body"), marker))
+    return found
+
+
+BLOCKS = blocks()
+COMMANDS = [b for b in BLOCKS if b.lang == "bash"]
+# The top README's tour: every stage through its real launcher, its runs kept (--out). It runs once per session
+# (conftest.tour): its table is checked as any README output is, and its runs are the suite's `runs`.
+TOURS = [b for b in COMMANDS if b.doc == ROOT / "README.md" and "tour.py" in b.body and "not-run" not in b.marker]
+
+
+def repo_copy(parent: Path) -> Path:
+    """A fresh copy of the repository: a block's commands write their runs/ (and notebooks) there.
+
+    Its `.venv` is the environment running these tests (the set-up line's, under .ci/run).
+    """
+    copy = parent / "repo"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "__pycache__", ".*_cache",
+                                                               ".ipynb_checkpoints", "slurm-*.out"))
+    if sys.prefix != sys.base_prefix:  # a virtual environment: link it whole (its python finds its packages so)
+        (copy / ".venv").symlink_to(sys.prefix)
+    else:  # run outside one (python3 -m pytest): .venv/bin/python is this interpreter
+        python = copy / ".venv" / "bin" / "python"
+        python.parent.mkdir(parents=True)
+        python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+        python.chmod(0o755)
+    return copy
+
+
+PORTS: dict[tuple[Path, str], str] = {}
+
+
+def with_free_ports(block: Block, text: str) -> str:
+    def port(m: re.Match) -> str:
+        return PORTS.setdefault((block.doc, m.group(0)), str(free_port()))
+    return re.sub(r"\b29\d{3}\b", port, text)
+
+
+def run_block(block: Block, copy: Path, env: dict[str, str] | None = None) -> Run:
+    bash = ["bash", "-euo", "pipefail", "-c"]
+    if "together" in block.marker.get("run", ""):  # as in several terminals: all at once
+        cmds = [[*bash, with_free_ports(block, c)] for c in block.commands()]
+    else:
+        cmds = [[*bash, with_free_ports(block, block.body)]]
+    env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # `python`, `torchrun`: ours
+           # Three READMEs share 2 cores: one thread per process, as torchrun gives its workers. With torch's
+           # default (a thread per core) a lone `python train.py` waits on its descheduled second thread at every
+           # op: measured here at 4-12 s an epoch instead of 0.1 s. The results do not depend on it.
+           "OMP_NUM_THREADS": "1", **(env or {})}
+    return run_job(cmds, env=env, timeout=420, cwd=copy)
