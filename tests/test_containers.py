@@ -80,8 +80,11 @@ def image(engine, tmp_path_factory) -> str:
     return IMAGE
 
 
-def test_two_containers_on_a_bridge_network_reach_stage_01s_weights(runs, image, engine, tmp_path):
-    """compose.yaml as a reader runs it: node1 finds node0 by its service name, across the network."""
+def test_two_containers_on_a_bridge_network_reach_stage_01s_weights(image, engine, tmp_path, request):
+    """compose.yaml as a reader runs it: node1 finds node0 by its service name, across the network.
+
+    Stage 01's run is asked for last (a session fixture named in the signature would be made first): the image
+    builds while the tour, which makes it, runs in the background (conftest.BESIDE_THE_TOUR)."""
     env = {**engine, "IMAGE": image, "OUT": str(tmp_path), "ARGS": " ".join(STEP.args)}
     compose = ["podman-compose", "--file", str(ROOT / "docker" / "compose.yaml"), "--project-name", PROJECT]
     assert STEP.nproc == 1 and STEP.nnodes == 2, STEP  # compose.yaml's shape: two nodes, one process each
@@ -108,4 +111,4 @@ def test_two_containers_on_a_bridge_network_reach_stage_01s_weights(runs, image,
     # Two hosts as the job saw them: each container has its own hostname and network namespace.
     assert s["nodes"] == 2 and sorted(r["host"] for r in s["layout"]) == ["node0", "node1"], s["layout"]
     assert run.stdout.count("held-out:") == 1, run.stdout  # one global rank 0 in the whole job
-    assert_same_training(run, runs["01"])
+    assert_same_training(run, request.getfixturevalue("runs")["01"])
