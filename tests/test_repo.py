@@ -73,27 +73,28 @@ def test_every_recipe_is_in_the_recipes_readme():
     assert RECIPES and not missing, f"recipes/README.md does not show how to run {missing}"
 
 
-def test_stage_07_handles_snapshots_with_stage_06s_code():
-    """Why the fault battery's bad-snapshot and full-disk cases run on 06 alone: 07 reads, checks, refuses and
-    writes snapshots with 06's code (compared as syntax trees: a comment may differ)."""
-    s06, s07 = load_stage("06_checkpoint"), load_stage("07_model_parallel")
+# Stages that check and write snapshots with the previous stage's code: the fault battery's bad-snapshot and
+# full-disk cases run on the first of each pair alone (each case launches a process, ~4 CPU-s).
+SHARED_SNAPSHOT_CODE = {
+    ("06_checkpoint", "07_model_parallel"): ["load_snapshot", "SnapshotError", "Trainer._load_snapshot",
+                                             "Trainer._save_snapshot"],
+    ("08_fsdp", "09_tensor_parallel"): ["load_snapshot", "checkpoints", "MetadataUnpickler", "SnapshotError"],
+}
+
+
+@pytest.mark.parametrize("pair", SHARED_SNAPSHOT_CODE, ids="-".join)
+def test_snapshots_are_handled_with_the_previous_stages_code(pair):
+    """The later stage reads, checks, refuses and writes snapshots with the earlier one's code (compared as syntax
+    trees: a comment may differ), so the fault battery need not repeat its snapshot cases on it."""
+    first, then = (load_stage(stage) for stage in pair)
 
     def tree(obj) -> str:
         return ast.dump(ast.parse(textwrap.dedent(inspect.getsource(obj))))
 
-    pieces = ["load_snapshot", "SnapshotError", "Trainer._load_snapshot", "Trainer._save_snapshot"]
-    drifted = [name for name in pieces
-               if tree(operator.attrgetter(name)(s06)) != tree(operator.attrgetter(name)(s07))]
-    assert not drifted, f"07_model_parallel's {drifted} differ from 06_checkpoint's: add 07 to the snapshot faults"
+    drifted = [name for name in SHARED_SNAPSHOT_CODE[pair]
+               if tree(operator.attrgetter(name)(first)) != tree(operator.attrgetter(name)(then))]
+    assert not drifted, f"{pair[1]}'s {drifted} differ from {pair[0]}'s: add {pair[1]} to the snapshot faults"
     refusal = ("    except SnapshotError as e:\n"
                "        print(f\"{STAGE}/train.py: error: argument --snapshot: {e}\", file=sys.stderr)\n"
                "        sys.exit(2)\n")
-    assert all(refusal in inspect.getsource(stage.main) for stage in (s06, s07)), "the refusal in main() differs"
-
-
-def test_stage_09_checks_checkpoints_with_stage_08s_code():
-    """Why the fault battery's bad-checkpoint cases run on 08 alone: 09 reads and checks checkpoints with 08's code."""
-    pieces = ["load_snapshot", "checkpoints", "MetadataUnpickler", "SnapshotError"]
-    drifted = [name for name in pieces if inspect.getsource(getattr(load_stage("08_fsdp"), name))
-               != inspect.getsource(getattr(load_stage("09_tensor_parallel"), name))]
-    assert not drifted, f"09_tensor_parallel's {drifted} differ from 08_fsdp's: add 09 to the checkpoint faults"
+    assert all(refusal in inspect.getsource(stage.main) for stage in (first, then)), "the refusal in main() differs"
