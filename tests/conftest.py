@@ -67,25 +67,26 @@ def needs_tour(item: pytest.Item) -> bool:
     return "tour" in item.fixturenames or (callspec is not None and TOUR in callspec.params.values())
 
 
+def run_tour(copy: Path) -> Tour:
+    return Tour(run_block(TOUR, copy, HIDE_GPUS), copy / TOUR_OUT.group(1))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def tour_started(request: pytest.FixtureRequest,
-                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Future, Path] | None]:
-    """The tour, started as the session starts if a selected test needs it: (the running command, its copy)."""
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Future[Tour] | None]:
+    """The tour, started as the session starts if a selected test needs it."""
     if not any(needs_tour(item) for item in request.session.items):
         yield None
         return
-    copy = repo_copy(tmp_path_factory.mktemp("tour"))
     with ThreadPoolExecutor(max_workers=1) as pool:
-        yield pool.submit(run_block, TOUR, copy, HIDE_GPUS), copy
+        yield pool.submit(run_tour, repo_copy(tmp_path_factory.mktemp("tour")))
 
 
 @pytest.fixture(scope="session")
-def tour(tour_started: tuple[Future, Path] | None, tmp_path_factory: pytest.TempPathFactory) -> Tour:
+def tour(tour_started: Future[Tour] | None, tmp_path_factory: pytest.TempPathFactory) -> Tour:
     if tour_started is None:  # asked for by a test that does not say so in its signature: run it now
-        copy = repo_copy(tmp_path_factory.mktemp("tour"))
-        return Tour(run_block(TOUR, copy, HIDE_GPUS), copy / TOUR_OUT.group(1))
-    future, copy = tour_started
-    return Tour(future.result(), copy / TOUR_OUT.group(1))
+        return run_tour(repo_copy(tmp_path_factory.mktemp("tour")))
+    return tour_started.result()
 
 
 class Runs:

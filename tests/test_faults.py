@@ -59,7 +59,7 @@ from harness import (
 
 DDP_STAGES = [s for s in STAGES if s >= "03"]
 SNAPSHOT_STAGES = ["06_checkpoint", "07_model_parallel"]  # --snapshot is a file
-# The bad-snapshot and full-disk cases run on 06 and 08 alone: 07 and 09 handle snapshots with their code
+# The bad-snapshot and full-disk cases run on 06 and 08 alone: 07 and 09 handle snapshots with 06's and 08's code
 # (test_repo.SHARED_SNAPSHOT_CODE), and each case launches a process (~4 CPU-s).
 SNAPSHOT_STAGE = "06_checkpoint"
 CHECKPOINT_STAGE = "08_fsdp"  # --snapshot is a directory of shards (torch.distributed.checkpoint)
