@@ -7,8 +7,12 @@ table, and the folders it keeps are `runs[name]`. They follow the tour's plan: W
 distributed stages, batch W*B for the single-process ones, so all of them should reach the same weights;
 in float64, the tour's default: rounding then stays ~1e-15, far from anything a bug changes.
 
-The tour starts in the background as the session starts (if a selected test needs it), and the modules that
-need no runs (BESIDE_THE_TOUR) go first, meanwhile; the first test that needs one waits for the whole tour.
+Most of the suite's CPU time is spent starting processes (importing torch, the first DDP()), often one or two
+at a time: alone, most modules keep the 2 cores 50-70 % busy. So the session runs two things at once. In the
+background, from the start: the tour, then every other README command (test_readme_commands checks those).
+In the foreground: first the modules that read no runs (BEFORE_THE_TOUR_ENDS), then the others (the first
+test that needs a run waits for the whole tour), and last (LAST) those that keep both cores busy on their
+own; the fault battery, whose time bounds assume nothing else runs, waits for the background to finish.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from harness import Run, Step, check, load_run, plan
-from readme_blocks import TOURS, repo_copy, run_block
+from readme_blocks import TOURS, Block, repo_copy, run_block, run_docs, why_skipped
 
 W, B, DTYPE = 2, 32, "float64"
 # The tour's plan here, with --device cpu: the runs the tests launch themselves (a changed copy, more flags).
@@ -52,13 +56,19 @@ class Tour:
                     f"{self.run.describe()}")
 
 
-# Run first, while the tour runs in the background: modules that read none of its runs until their very end
-# and time nothing (the container image takes ~2 minutes to build; it and the tour share the cores).
-BESIDE_THE_TOUR = ("test_benchmarks.py", "test_collectives.py", "test_containers.py")
+# Run first, while the tour runs in the background: modules that read none of its runs and time nothing.
+BEFORE_THE_TOUR_ENDS = ("test_benchmarks.py", "test_collectives.py")
+# Run last: they keep both cores busy alone (the notebooks' kernels; the fault battery, six jobs at a time), and
+# the README test waits for the README commands. The modules in between, mostly one job at a time, run beside
+# the README commands.
+LAST = ("test_notebooks.py", "test_readme_commands.py", "test_faults.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.path.name not in BESIDE_THE_TOUR)  # stable: otherwise in collected order
+    def phase(item: pytest.Item) -> int:
+        name = item.path.name
+        return 0 if name in BEFORE_THE_TOUR_ENDS else 2 + LAST.index(name) if name in LAST else 1
+    items.sort(key=phase)  # stable: otherwise in collected order
 
 
 def needs_tour(item: pytest.Item) -> bool:
@@ -67,26 +77,53 @@ def needs_tour(item: pytest.Item) -> bool:
     return "tour" in item.fixturenames or (callspec is not None and TOUR in callspec.params.values())
 
 
+def readme_blocks_to_run(items: list[pytest.Item]) -> list[Block]:
+    """The README blocks that selected tests check and that run here (the tour apart: it runs once, first)."""
+    chosen = [item.callspec.params["block"] for item in items if item.path.name == "test_readme_commands.py"
+              and item.originalname == "test_readme_command_runs_as_written"]
+    return [block for block in chosen if not why_skipped(block) and block not in TOURS]
+
+
 def run_tour(copy: Path) -> Tour:
     return Tour(run_block(TOUR, copy, HIDE_GPUS), copy / TOUR_OUT.group(1))
 
 
+@dataclass
+class Background:
+    """What runs beside the tests: the tour, then the other README commands (None: not needed by the selection)."""
+    tour: Future[Tour] | None
+    readmes: Future[dict[str, Run | BaseException]] | None
+
+    def wait(self) -> None:
+        """Until both have ended (their failures are reported by the tests that read them)."""
+        for future in (self.tour, self.readmes):
+            if future is not None:
+                future.exception()
+
+
 @pytest.fixture(scope="session", autouse=True)
-def tour_started(request: pytest.FixtureRequest,
-                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Future[Tour] | None]:
-    """The tour, started as the session starts if a selected test needs it."""
-    if not any(needs_tour(item) for item in request.session.items):
-        yield None
-        return
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        yield pool.submit(run_tour, repo_copy(tmp_path_factory.mktemp("tour")))
+def background(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Background]:
+    items = request.session.items
+    blocks = readme_blocks_to_run(items)
+    tour_copy = repo_copy(tmp_path_factory.mktemp("tour")) if any(needs_tour(item) for item in items) else None
+    readme_tmp = tmp_path_factory.mktemp("readme") if blocks else None
+    with ThreadPoolExecutor(max_workers=1) as pool:  # one after the other: each keeps the 2 cores busy alone
+        yield Background(tour=pool.submit(run_tour, tour_copy) if tour_copy else None,
+                         readmes=pool.submit(run_docs, blocks, readme_tmp) if blocks else None)
 
 
 @pytest.fixture(scope="session")
-def tour(tour_started: Future[Tour] | None, tmp_path_factory: pytest.TempPathFactory) -> Tour:
-    if tour_started is None:  # asked for by a test that does not say so in its signature: run it now
+def tour(background: Background, tmp_path_factory: pytest.TempPathFactory) -> Tour:
+    if background.tour is None:  # asked for by a test that does not say so in its signature: run it now
         return run_tour(repo_copy(tmp_path_factory.mktemp("tour")))
-    return tour_started.result()
+    return background.tour.result()
+
+
+@pytest.fixture(scope="session")
+def readme_runs(background: Background) -> dict[str, Run | BaseException]:
+    """Each README block's run, by block id: test_readme_commands checks them."""
+    assert background.readmes is not None, "no README block was selected to run at the start of the session"
+    return background.readmes.result()
 
 
 class Runs:

@@ -84,7 +84,7 @@ def test_two_containers_on_a_bridge_network_reach_stage_01s_weights(image, engin
     """compose.yaml as a reader runs it: node1 finds node0 by its service name, across the network.
 
     Stage 01's run is asked for last (a session fixture named in the signature would be made first): the image
-    builds while the tour, which makes it, runs in the background (conftest.BESIDE_THE_TOUR)."""
+    builds while the tour, which makes it, may still run in the background (conftest.background)."""
     env = {**engine, "IMAGE": image, "OUT": str(tmp_path), "ARGS": " ".join(STEP.args)}
     compose = ["podman-compose", "--file", str(ROOT / "docker" / "compose.yaml"), "--project-name", PROJECT]
     assert STEP.nproc == 1 and STEP.nnodes == 2, STEP  # compose.yaml's shape: two nodes, one process each

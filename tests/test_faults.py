@@ -431,9 +431,10 @@ def place(paths) -> Iterator[Place]:
 
 
 @pytest.fixture(scope="module")
-def outcomes(place, request) -> dict[str, Outcome | BaseException]:
+def outcomes(place, request, background) -> dict[str, Outcome | BaseException]:
     """Every selected case's outcome, POOL cases at a time (the slow ones mostly wait)."""
     chosen = selected(request, "test_fault", "case")
+    background.wait()  # the time bounds above hold on 2 cores shared by the battery alone (conftest.LAST)
 
     def one(case: Case) -> Outcome | BaseException:
         if case.needs and getattr(place, case.needs) is None:

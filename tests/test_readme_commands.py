@@ -2,28 +2,21 @@
 
 How blocks are tagged and run, and the markers that say how: tests/readme_blocks.py. A ```python block is
 checked against the train.py beside its README, line by line. A README's bash blocks run in order, in one
-copy of the repository, as a reader runs them (a later block may use what an earlier one made); three
-READMEs run at a time, each in a copy of its own: much of their time is spent starting Python and importing
-torch on one core, or waiting (for a Slurm job, a rendezvous). The top README's tour is the exception: it runs
-once per session for the whole suite (conftest.tour; its runs are the equivalence tests' `runs`), and its
-test here checks that run.
+copy of the repository, as a reader runs them (a later block may use what an earlier one made), three READMEs
+at a time. They run in the background from the start of the session, after the top README's tour (conftest:
+the tour's runs are the equivalence tests' `runs`); the tests here check what they did.
 
 Each block runs with OMP_NUM_THREADS=1 (see run_block). The README's set-up line (`python3 -m venv .venv &&
-.venv/bin/pip install -r requirements.txt`) is not run again here: the test command starts with it, and .ci/run
-runs that in a fresh clone (test_the_set_up_line_is_the_test_commands_own checks they are the same). The copy's
-`.venv` is the environment these tests run in (~40 s saved: installing torch).
+.venv/bin/pip install --no-compile -r requirements.txt`) is not run again here: the test command starts with
+it, and .ci/run runs that in a fresh clone (test_the_set_up_line_is_the_test_commands_own checks they are the
+same). The copy's `.venv` is the environment these tests run in (~25 s saved: installing torch).
 """
 from __future__ import annotations
 
-import os
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-
 import pytest
 
-from harness import ROOT, Run, selected, slurm_missing
-from readme_blocks import BLOCKS, COMMANDS, TOURS, Block, repo_copy, run_block
+from harness import ROOT
+from readme_blocks import BLOCKS, COMMANDS, TOURS, why_skipped
 
 NOT_RUN = {  # the only reasons a command may be left out
     "needs GPUs", "needs several hosts",
@@ -67,54 +60,11 @@ def test_the_set_up_line_is_the_test_commands_own():
     assert test_command.commands()[0].startswith(set_up.commands()[0] + " && "), (set_up.body, test_command.body)
 
 
-def why_skipped(block: Block) -> str | None:
-    if "not-run" in block.marker:
-        return block.marker["not-run"]
-    run_as = block.marker.get("run", "")
-    if "as root" in run_as and os.geteuid() != 0:
-        return "needs root (network namespaces)"
-    if "with slurm" in run_as:
-        return slurm_missing()
-    return None
-
-
-# Started first, so that the shorter READMEs fill in beside them (measured here, each alone: the benchmarks' 70 s,
-# the hooks recipe's 45 s, stage 03's and 08's 30 s, Slurm's mostly waiting; the others 25 s or less. Three at a
-# time on 2 cores, each takes about twice as long). The top README's tour runs once per session (conftest.tour).
-LONGEST = [ROOT / "benchmarks" / "README.md", ROOT / "recipes" / "comm_hooks" / "README.md",
-           ROOT / "03_ddp_spawn" / "README.md", ROOT / "08_fsdp" / "README.md", ROOT / "slurm" / "README.md"]
-
-
-@pytest.fixture(scope="module")
-def outcomes(request, tmp_path_factory) -> dict[str, Run | BaseException]:
-    """Every selected block's run: each README's blocks in order in one copy, three READMEs at a time."""
-    chosen = selected(request, "test_readme_command_runs_as_written", "block")
-    docs: dict[Path, list[Block]] = {}
-    for block in chosen:
-        if not why_skipped(block) and block not in TOURS:
-            docs.setdefault(block.doc, []).append(block)
-    tmp = tmp_path_factory.mktemp("readme")
-
-    def one_doc(blocks: list[Block]) -> dict[str, Run | BaseException]:
-        copy = repo_copy(Path(tempfile.mkdtemp(dir=tmp)))
-        done: dict[str, Run | BaseException] = {}
-        for block in blocks:
-            try:
-                done[block.id] = run_block(block, copy)
-            except BaseException as e:  # a bug here: reported by the block's own test
-                done[block.id] = e
-        return done
-
-    order = sorted(docs, key=lambda doc: LONGEST.index(doc) if doc in LONGEST else len(LONGEST))
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        return {k: v for done in pool.map(one_doc, [docs[d] for d in order]) for k, v in done.items()}
-
-
 @pytest.mark.parametrize("block", COMMANDS, ids=[b.id for b in COMMANDS])
-def test_readme_command_runs_as_written(block, outcomes, request):
+def test_readme_command_runs_as_written(block, request):
     if why := why_skipped(block):
         pytest.skip(why)
-    run = request.getfixturevalue("tour").run if block in TOURS else outcomes[block.id]
+    run = request.getfixturevalue("tour").run if block in TOURS else request.getfixturevalue("readme_runs")[block.id]
     if isinstance(run, BaseException):
         raise run
     where = f"{block.id}\n{run.describe()}"
