@@ -7,9 +7,9 @@ at a time. They run in the background from the start of the session, after the t
 the tour's runs are the equivalence tests' `runs`); the tests here check what they did.
 
 Each block runs with OMP_NUM_THREADS=1 (see run_block). The README's set-up line (`python3 -m venv .venv &&
-.venv/bin/pip install --no-compile -r requirements.txt`) is not run again here: the test command starts with
+.venv/bin/pip install -r requirements.txt`) is not run again here: the test command starts with
 it, and .ci/run runs that in a fresh clone (test_the_set_up_line_is_the_test_commands_own checks they are the
-same). The copy's `.venv` is the environment these tests run in (~25 s saved: installing torch).
+same). The copy's `.venv` is the environment these tests run in (~40 s saved: installing torch).
 """
 from __future__ import annotations
 
