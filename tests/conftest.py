@@ -8,22 +8,24 @@ distributed stages, batch W*B for the single-process ones, so all of them should
 in float64, the tour's default: rounding then stays ~1e-15, far from anything a bug changes.
 
 Most of the suite's CPU time is spent starting processes (importing torch, the first DDP()), often one or two
-at a time: alone, most modules keep the 2 cores 50-70 % busy. So the session runs two things at once. In the
-background, from the start: the tour, then every other README command (test_readme_commands checks those).
-In the foreground: first the modules that read no runs (BEFORE_THE_TOUR_ENDS), then the others (the first
-test that needs a run waits for the whole tour), and last (LAST) those that keep both cores busy on their
-own; the fault battery, whose time bounds assume nothing else runs, waits for the background to finish.
+at a time: alone, most modules keep the 2 cores 50-70 % busy. So the session runs several things at once. In
+the background, from the start: the tour, then every other README command (test_readme_commands checks those);
+beside them, the container image's build, which mostly waits (tests/containers.py). In the foreground: first
+the modules that read no runs (BEFORE_THE_TOUR_ENDS), then the others (the first test that needs a run waits
+for the whole tour), and last (LAST) those that keep both cores busy on their own; the fault battery, whose
+time bounds assume nothing else runs, waits for the background to finish.
 """
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from containers import build_image, engine_env, engine_missing, remove_everything
 from harness import Run, Step, check, load_run, plan
 from readme_blocks import TOURS, Block, repo_copy, run_block, run_docs, why_skipped
 
@@ -90,13 +92,16 @@ def run_tour(copy: Path) -> Tour:
 
 @dataclass
 class Background:
-    """What runs beside the tests: the tour, then the other README commands (None: not needed by the selection)."""
+    """What runs beside the tests (None: not needed by the selection): the tour, then the other README commands;
+    beside them the container image's build, in the engine's environment `engine`."""
     tour: Future[Tour] | None
     readmes: Future[dict[str, Run | BaseException]] | None
+    image: Future[str] | None = None
+    engine: dict[str, str] = field(default_factory=dict)
 
     def wait(self) -> None:
-        """Until both have ended (their failures are reported by the tests that read them)."""
-        for future in (self.tour, self.readmes):
+        """Until all have ended (their failures are reported by the tests that read them)."""
+        for future in (self.tour, self.readmes, self.image):
             if future is not None:
                 future.exception()
 
@@ -107,9 +112,19 @@ def background(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     blocks = readme_blocks_to_run(items)
     tour_copy = repo_copy(tmp_path_factory.mktemp("tour")) if any(needs_tour(item) for item in items) else None
     readme_tmp = tmp_path_factory.mktemp("readme") if blocks else None
-    with ThreadPoolExecutor(max_workers=1) as pool:  # one after the other: each keeps the 2 cores busy alone
-        yield Background(tour=pool.submit(run_tour, tour_copy) if tour_copy else None,
-                         readmes=pool.submit(run_docs, blocks, readme_tmp) if blocks else None)
+    build = any(item.path.name == "test_containers.py" for item in items) and engine_missing() is None
+    engine = engine_env(tmp_path_factory.mktemp("engine")) if build else {}
+    # The tour and the README commands one after the other (each keeps the 2 cores busy alone); the build beside.
+    with ThreadPoolExecutor(max_workers=1) as pool, ThreadPoolExecutor(max_workers=1) as builder:
+        try:
+            yield Background(tour=pool.submit(run_tour, tour_copy) if tour_copy else None,
+                             readmes=pool.submit(run_docs, blocks, readme_tmp) if blocks else None,
+                             image=builder.submit(build_image, engine, tmp_path_factory.mktemp("image"))
+                             if build else None, engine=engine)
+        finally:
+            if build:  # after the build has ended, whatever happened to it or to the test
+                builder.shutdown(wait=True)
+                remove_everything(engine)
 
 
 @pytest.fixture(scope="session")

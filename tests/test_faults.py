@@ -12,8 +12,9 @@ Bad values (every flag of every stage has one) are checked in this process, by c
 parse_args(): every check of a value is there, and main() calls it before anything else
 (test_main_checks_values_before_anything_else). Launching the script for each would spend ~3 s of
 CPU importing torch, ~80 times. One bad value per stage is still launched for real, proving the
-script refuses in one line and exit 2 before training; bad snapshot files are checked in main(),
-after parse_args, so they are all launched.
+script refuses in one line and exit 2 before training. Bad snapshot files are checked in main() too,
+before it joins a process group: each kind runs main() in this process up to that point (test_bad_snapshot_...),
+and one kind per stage is launched for real.
 """
 from __future__ import annotations
 
@@ -164,12 +165,24 @@ def lone_node(rendezvous: str) -> Callable[[Place], Outcome]:
     return go
 
 
-def snapshot_file(stage: str, kind: str) -> Callable[[Place], Outcome]:
+def bad_snapshot(stage: str, kind: str, place: Place, where: str) -> tuple[Path, tuple[str, ...]]:
+    """A spoilt snapshot (06: a file) or checkpoint directory (08) of `kind` in a new folder `where`, and the
+    arguments that resume from it."""
+    folder = place.tmp / where
+    folder.mkdir()
+    if stage == CHECKPOINT_STAGE:
+        return spoilt_checkpoint(kind, folder / "ck", place)
+    path = folder / "s.pt"
+    write_bad_snapshot(kind, path, place)
+    return path, ("--device", "cpu", "--epochs", "2", "--snapshot", str(path))
+
+
+def snapshot_given(stage: str, kind: str) -> Callable[[Place], Outcome]:
+    """The script launched on a spoilt snapshot: the whole path from the command line (in-process: the rest)."""
     def go(place: Place) -> Outcome:
-        path = place.tmp / f"{stage}_{kind}.pt"
-        write_bad_snapshot(kind, path, place)
-        before = path.read_bytes()
-        run = launch(Step(stage, "python", ("--device", "cpu", "--epochs", "2", "--snapshot", str(path))), timeout=90)
+        path, args = bad_snapshot(stage, kind, place, f"launched-{stage}-{kind}")
+        before = contents(path)
+        run = launch(Step(stage, "python", args), timeout=90)
         return Outcome(run, run.seconds, {"path": path, "before": before})
     return go
 
@@ -184,31 +197,25 @@ def disk_fills_up(stage: str) -> Callable[[Place], Outcome]:
     return go
 
 
-def checkpoint_dir(kind: str) -> Callable[[Place], Outcome]:
-    """Stage 08 resumed from its good checkpoint directory, spoilt as `kind` (or with other settings)."""
-    def go(place: Place) -> Outcome:
-        path = place.tmp / f"08_{kind}"
-        shutil.copytree(place.good_checkpoint, path)
-        (last,) = path.iterdir()  # epoch_0001
-        settings: tuple[str, ...] = ()
-        if kind == "truncated":
-            shard = last / "__0_0.distcp"
-            shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-        elif kind == "missing":
-            (last / "__0_0.distcp").unlink()
-        elif kind == "foreign":  # a directory holding something else: stage 06's snapshot file
-            shutil.rmtree(last)
-            (path / "s.pt").write_bytes(place.good_snapshot)
-        elif kind == "payload":  # the metadata is a pickle, which dcp.load would unpickle as it is
-            (last / ".metadata").write_bytes(pickle.dumps(Payload(str(place.payload_marker))))
-        else:  # a good checkpoint, resumed with other settings
-            settings = {"other_model": ("--hidden", "32"), "other_seed": ("--seed", "7"),
-                        "other_dtype": ("--dtype", "float64")}[kind]
-        before = contents(path)
-        run = launch(Step(CHECKPOINT_STAGE, "python", ("--device", "cpu", "--epochs", "2", "--snapshot", str(path),
-                                                       *settings)), timeout=90)
-        return Outcome(run, run.seconds, {"path": path, "before": before})
-    return go
+def spoilt_checkpoint(kind: str, path: Path, place: Place) -> tuple[Path, tuple[str, ...]]:
+    """Stage 08's good checkpoint directory copied to `path`, spoilt as `kind` (or resumed with other settings)."""
+    shutil.copytree(place.good_checkpoint, path)
+    (last,) = path.iterdir()  # epoch_0001
+    settings: tuple[str, ...] = ()
+    if kind == "truncated":
+        shard = last / "__0_0.distcp"
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    elif kind == "missing":
+        (last / "__0_0.distcp").unlink()
+    elif kind == "foreign":  # a directory holding something else: stage 06's snapshot file
+        shutil.rmtree(last)
+        (path / "s.pt").write_bytes(place.good_snapshot)
+    elif kind == "payload":  # the metadata is a pickle, which dcp.load would unpickle as it is
+        (last / ".metadata").write_bytes(pickle.dumps(Payload(str(place.payload_marker))))
+    else:  # a good checkpoint, resumed with other settings
+        settings = {"other_model": ("--hidden", "32"), "other_seed": ("--seed", "7"),
+                    "other_dtype": ("--dtype", "float64")}[kind]
+    return path, ("--device", "cpu", "--epochs", "2", "--snapshot", str(path), *settings)
 
 
 class Payload:
@@ -305,6 +312,13 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
     return table
 
 
+# Spoilt snapshots (06: a file) and checkpoint directories (08), and resuming with other settings: each kind is
+# checked in-process through main() (test_bad_snapshot_is_refused_in_one_line); one is also launched per stage.
+SNAPSHOT_KINDS = {SNAPSHOT_STAGE: ["truncated", "not_torch", "foreign", "payload", "other_model", "other_seed",
+                                   "other_dtype"],
+                  CHECKPOINT_STAGE: ["truncated", "missing", "foreign", "payload", "other_model", "other_seed",
+                                     "other_dtype"]}
+LAUNCHED_KIND = "truncated"
 LAUNCHED_BAD_VALUE = ("--batch-size", "0")  # the bad value launched for real in every stage; the rest: in-process
 TYPO = ("--batchsize", "32")  # a misspelt flag: argparse's own error, also raised in parse_args
 
@@ -343,17 +357,12 @@ def cases() -> list[Case]:
     out.append(Case("08-disk-full", CHECKPOINT_STAGE, "the disk fills up while the shards are written", None, START,
                     "is still the last checkpoint", disk_fills_up(CHECKPOINT_STAGE), also=left_alone,
                     needs="full_disk"))
-    for kind in ["truncated", "missing", "foreign", "payload", "other_model", "other_seed", "other_dtype"]:
-        out.append(Case(f"08-checkpoint-{kind}", CHECKPOINT_STAGE, f"--snapshot directory: {kind.replace('_', ' ')}",
-                        2, START, "argument --snapshot: ", checkpoint_dir(kind), one_line=True, also=left_alone))
-    stage = SNAPSHOT_STAGE
-    out.append(Case(f"{stage[:2]}-disk-full", stage, "the disk fills up before a snapshot is saved", None,
-                    START, "still holds the previous snapshot", disk_fills_up(stage), also=left_alone,
+    out.append(Case(f"{SNAPSHOT_STAGE[:2]}-disk-full", SNAPSHOT_STAGE, "the disk fills up before a snapshot is saved",
+                    None, START, "still holds the previous snapshot", disk_fills_up(SNAPSHOT_STAGE), also=left_alone,
                     needs="full_disk"))
-    for kind in ["truncated", "not_torch", "foreign", "payload", "other_model", "other_seed", "other_dtype"]:
-        out.append(Case(f"{stage[:2]}-snapshot-{kind}", stage, f"--snapshot is {kind.replace('_', ' ')}", 2,
-                        START, "argument --snapshot: ", snapshot_file(stage, kind), one_line=True,
-                        also=left_alone))
+    for stage in (SNAPSHOT_STAGE, CHECKPOINT_STAGE):
+        out.append(Case(f"{stage[:2]}-snapshot-{LAUNCHED_KIND}", stage, f"--snapshot is {LAUNCHED_KIND}", 2, START,
+                        "argument --snapshot: ", snapshot_given(stage, LAUNCHED_KIND), one_line=True, also=left_alone))
     for stage in STAGES:
         args, flag = LAUNCHED_BAD_VALUE, bad_values(stage)[LAUNCHED_BAD_VALUE]
         out.append(Case(f"{stage[:2]}{' '.join(args)}", stage, f"bad value {' '.join(args)}", 2, START,
@@ -471,16 +480,27 @@ def test_fault(outcomes, place, case):
         case.also(outcome, place)
 
 
-def refusal(module: ModuleType, args: tuple[str, ...]) -> tuple[object, str, str]:
-    """(exit code, stdout, stderr) of a stage's parse_args(args), in this process, as the script would see it."""
+class Accepted(Exception):
+    """Raised where main() would join a process group: it got past every check of its arguments and files."""
+
+
+def refusal(module: ModuleType, args: tuple[str, ...], whole_main: bool = False) -> tuple[object, str, str]:
+    """(exit code, stdout, stderr) of a stage's parse_args(args), in this process, as the script would see it.
+
+    whole_main: main(args) instead, up to joining the process group (ddp_setup raises Accepted there, so
+    nothing accepted can start training in this process): the checks of the snapshot file come after parse_args.
+    """
     out, err = io.StringIO(), io.StringIO()
     # The launchers' variables (MASTER_PORT, LOCAL_WORLD_SIZE, ...) are removed, as every launch removes them.
     with mock.patch.dict(os.environ, clean_env(), clear=True), \
-            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            (mock.patch.object(module, "ddp_setup", side_effect=Accepted) if whole_main else contextlib.nullcontext()):
         try:
-            module.parse_args(list(args))
+            (module.main if whole_main else module.parse_args)(list(args))
         except SystemExit as e:
             return e.code, out.getvalue(), err.getvalue()
+        except Accepted:
+            pass
     return "no exit: the value was accepted", out.getvalue(), err.getvalue()
 
 
@@ -495,6 +515,34 @@ def test_bad_value_is_refused_in_one_line(paths, stage, args, message):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{stage}/train.py: error: ") and message in lines[0], where
     assert not out, where
+
+
+IN_PROCESS_SNAPSHOTS = [(stage, kind) for stage, kinds in SNAPSHOT_KINDS.items() for kind in kinds]
+
+
+@pytest.mark.parametrize("stage,kind", IN_PROCESS_SNAPSHOTS, ids=[f"{s[:2]}-{k}" for s, k in IN_PROCESS_SNAPSHOTS])
+def test_bad_snapshot_is_refused_in_one_line(place, stage, kind):
+    """What `python <stage>/train.py --snapshot <spoilt>` does before it would join a group: one line, exit 2,
+    the snapshot left as it was, no pickled code run."""
+    path, args = bad_snapshot(stage, kind, place, f"in-process-{stage}-{kind}")
+    before = contents(path)
+    code, out, err = refusal(load_stage(stage), args, whole_main=True)
+    where = f"{stage}/train.py {' '.join(args)}: exit {code}\nstdout: {out}\nstderr: {err}"
+    assert code == 2, where
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{stage}/train.py: error: argument --snapshot: "), where
+    assert "epoch" not in out, where
+    left_alone(Outcome(None, 0.0, {"path": path, "before": before}), place)
+
+
+def test_in_process_snapshot_check_sees_a_missing_check(place, tmp_path):
+    """Negative control: a copy of stage 06 without the settings check takes another seed's snapshot, and main()
+    is stopped where it would join the group (nothing trains in this process)."""
+    check_line = 'if (snapshot["seed"], snapshot["global_batch"], snapshot["dtype"]) != (seed, global_batch, dtype):'
+    broken = load_copy(mutate(SNAPSHOT_STAGE, check_line, "if False:", tmp_path / "broken"))
+    _, args = bad_snapshot(SNAPSHOT_STAGE, "other_seed", place, "in-process-broken-06")
+    code, out, err = refusal(broken, args, whole_main=True)
+    assert code == "no exit: the value was accepted" and not err and "epoch" not in out, (code, out, err)
 
 
 def test_in_process_check_sees_a_missing_check(tmp_path):
