@@ -27,7 +27,7 @@ import pytest
 
 from containers import build_image, engine_env, engine_missing, remove_everything
 from harness import Run, Step, check, load_run, plan
-from readme_blocks import TOURS, Block, repo_copy, run_block, run_docs, why_skipped
+from readme_blocks import TOURS, Block, block_showing, repo_copy, run_block, run_docs, why_skipped
 
 W, B, DTYPE = 2, 32, "float64"
 # The tour's plan here, with --device cpu: the runs the tests launch themselves (a changed copy, more flags).
@@ -66,9 +66,14 @@ BEFORE_THE_TOUR_ENDS = ("test_benchmarks.py", "test_collectives.py")
 LAST = ("test_notebooks.py", "test_readme_commands.py", "test_faults.py")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "readme_run(command): the test reads the run of a README command (fixture "
+                                       "readme_run) instead of launching the same again")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def phase(item: pytest.Item) -> int:
-        name = item.path.name
+        name = "test_readme_commands.py" if item.get_closest_marker("readme_run") else item.path.name
         return 0 if name in BEFORE_THE_TOUR_ENDS else 2 + LAST.index(name) if name in LAST else 1
     items.sort(key=phase)  # stable: otherwise in collected order
 
@@ -80,10 +85,12 @@ def needs_tour(item: pytest.Item) -> bool:
 
 
 def readme_blocks_to_run(items: list[pytest.Item]) -> list[Block]:
-    """The README blocks that selected tests check and that run here (the tour apart: it runs once, first)."""
+    """The README blocks that selected tests check or read and that run here (the tour apart: it runs once, first)."""
     chosen = [item.callspec.params["block"] for item in items if item.path.name == "test_readme_commands.py"
               and item.originalname == "test_readme_command_runs_as_written"]
-    return [block for block in chosen if not why_skipped(block) and block not in TOURS]
+    chosen += [block_showing(mark.args[0]) for item in items for mark in item.iter_markers("readme_run")]
+    unique = {block.id: block for block in chosen}.values()  # in order, each once
+    return [block for block in unique if not why_skipped(block) and block not in TOURS]
 
 
 def run_tour(copy: Path) -> Tour:
@@ -139,6 +146,17 @@ def readme_runs(background: Background) -> dict[str, Run | BaseException]:
     """Each README block's run, by block id: test_readme_commands checks them."""
     assert background.readmes is not None, "no README block was selected to run at the start of the session"
     return background.readmes.result()
+
+
+@pytest.fixture
+def readme_run(request: pytest.FixtureRequest, readme_runs: dict[str, Run | BaseException]) -> Run:
+    """The run of the README block showing the command in the test's readme_run marker (its `out`: the copy it ran
+    in). The test then checks what a reader's command made, instead of launching the same command again."""
+    block = block_showing(request.node.get_closest_marker("readme_run").args[0])
+    run = readme_runs[block.id]
+    if isinstance(run, BaseException):
+        raise run
+    return check(run)
 
 
 class Runs:

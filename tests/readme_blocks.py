@@ -103,17 +103,25 @@ def with_free_ports(block: Block, text: str) -> str:
 
 
 def run_block(block: Block, copy: Path, env: dict[str, str] | None = None) -> Run:
+    """Run `block` in `copy`; the Run's `out` is `copy`, where the block's files are."""
     bash = ["bash", "-euo", "pipefail", "-c"]
     if "together" in block.marker.get("run", ""):  # as in several terminals: all at once
         cmds = [[*bash, with_free_ports(block, c)] for c in block.commands()]
     else:
         cmds = [[*bash, with_free_ports(block, block.body)]]
     env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # `python`, `torchrun`: ours
-           # Three READMEs share 2 cores: one thread per process, as torchrun gives its workers. With torch's
+           # READMEs share 2 cores with the tests: one thread per process, as torchrun gives its workers. With torch's
            # default (a thread per core) a lone `python train.py` waits on its descheduled second thread at every
            # op: measured here at 4-12 s an epoch instead of 0.1 s. The results do not depend on it.
            "OMP_NUM_THREADS": "1", **(env or {})}
-    return run_job(cmds, env=env, timeout=420, cwd=copy)
+    return run_job(cmds, copy, env=env, timeout=420, cwd=copy)
+
+
+def block_showing(command: str) -> Block:
+    """The README bash block that shows `command` as one of its commands (a test reads that block's run)."""
+    found = [b for b in COMMANDS if command in b.commands()]
+    assert len(found) == 1, f"expected one README block showing {command!r}, found {[b.id for b in found]}"
+    return found[0]
 
 
 def why_skipped(block: Block) -> str | None:
@@ -129,17 +137,22 @@ def why_skipped(block: Block) -> str | None:
 
 
 # Started first, so that the shorter READMEs fill in beside them (measured here, each alone: the benchmarks' 70 s,
-# the hooks recipe's 45 s, stage 03's and 08's 30 s, Slurm's mostly waiting; the others 25 s or less. Three at a
-# time on 2 cores, each takes about twice as long).
+# the hooks recipe's 45 s, stage 03's and 08's 30 s, Slurm's mostly waiting; the others 25 s or less).
 LONGEST = [ROOT / "benchmarks" / "README.md", ROOT / "recipes" / "comm_hooks" / "README.md",
            ROOT / "03_ddp_spawn" / "README.md", ROOT / "08_fsdp" / "README.md", ROOT / "slurm" / "README.md"]
 
 
+# READMEs run at a time. They run beside the test modules, which mostly start one job at a time and keep ~1.45 of
+# the 2 cores busy alone: two READMEs fill the rest and last as long as those modules do. With three, the READMEs
+# ended first and the last modules ran alone, a core half idle (measured: ~70 core-s idle).
+AT_ONCE = 2
+
+
 def run_docs(blocks: list[Block], tmp: Path) -> dict[str, Run | BaseException]:
-    """Each block's run, by id: each README's blocks in order in one copy under `tmp`, three READMEs at a time.
+    """Each block's run, by id: each README's blocks in order in one copy under `tmp`, AT_ONCE READMEs at a time.
 
     Much of a README's time is spent starting Python and importing torch on one core, or waiting (for a Slurm
-    job, a rendezvous): three at a time keep 2 cores busy.
+    job, a rendezvous): several at a time keep the cores busy.
     """
     docs: dict[Path, list[Block]] = {}
     for block in blocks:
@@ -156,5 +169,5 @@ def run_docs(blocks: list[Block], tmp: Path) -> dict[str, Run | BaseException]:
         return done
 
     order = sorted(docs, key=lambda doc: LONGEST.index(doc) if doc in LONGEST else len(LONGEST))
-    with ThreadPoolExecutor(max_workers=3) as pool:
+    with ThreadPoolExecutor(max_workers=AT_ONCE) as pool:
         return {k: v for done in pool.map(one_doc, [docs[d] for d in order]) for k, v in done.items()}

@@ -2,7 +2,9 @@
 
 Each benchmark runs once, on a tiny setting, as a real bounded subprocess (the harness's launcher);
 the tests check its CSV (expected columns, every configuration present, positive numbers), its PNG
-and its table. The DP-vs-DDP benchmark needs GPUs: here it must say so and exit 0 without numbers.
+and its table. Where the README shows a quick run, that run is the one checked (the readme_run marker):
+the same command is not launched twice. The DP-vs-DDP benchmark needs GPUs: here it must say so and
+exit 0 without numbers.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import csv
 import os
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -167,25 +170,28 @@ def test_bad_flag_is_one_line_and_exit_2(script, flags, flag):
 
 # --- benchmarks/rounding.py ---------------------------------------------------------------------
 
-ROUNDING_EPOCHS = 3
+# The README's quick run, with its check against real runs: its files and output are what the test checks.
+ROUNDING_QUICK = "python3 benchmarks/rounding.py --epochs 5 --lrs 0.05 --check-epochs 2 --out runs/rounding_quick"
+ROUNDING_EPOCHS, ROUNDING_LRS = 5, (0.05,)
 
 
-def test_rounding_measures_drift_and_replay(tmp_path):
+@pytest.mark.readme_run(ROUNDING_QUICK)
+def test_rounding_measures_drift_and_replay(readme_run):
     """Stage 01 vs simulated DDP: float64 drifts less than float32, every correct epoch replays within
     sqrt(eps), every broken run is caught (`no set_epoch` from its second epoch: its first is stage 01's)."""
     from tour import tolerance
 
-    run = check(run_script("benchmarks/rounding.py", "--epochs", str(ROUNDING_EPOCHS), "--no-check", out=tmp_path))
-    columns, rows = read_csv(tmp_path / "rounding.csv")
+    run, out = readme_run, readme_run.out / "runs" / "rounding_quick"
+    columns, rows = read_csv(out / "rounding.csv")
     assert columns == ["run", "dtype", "lr", "world_size", "batch_per_rank", "global_batch", "epoch", "steps",
                        "max_dw_end", "max_dw_epoch_max", "replay_error", "tolerance", "train_loss", "batch_flips",
                        "relu_flips", "samples_with_flip", "max_abs_logit"]
     correct = [r for r in rows if not r["run"].startswith("broken")]
     broken = [r for r in rows if r["run"].startswith("broken")]
     assert {(r["dtype"], float(r["lr"])) for r in correct} == {(d, lr) for d in ("float32", "float64")
-                                                              for lr in (0.05, 0.01)}
+                                                              for lr in ROUNDING_LRS}
     assert {r["run"] for r in broken} == {"broken: no set_epoch", "broken: global batch b"}
-    assert len(correct) == 4 * ROUNDING_EPOCHS and len(broken) == 2 * ROUNDING_EPOCHS
+    assert len(correct) == 2 * len(ROUNDING_LRS) * ROUNDING_EPOCHS and len(broken) == 2 * ROUNDING_EPOCHS
     for r in rows:
         assert [int(r["world_size"]), int(r["batch_per_rank"]), int(r["global_batch"])] == [2, 32, 64], r
         assert 1 <= int(r["epoch"]) <= ROUNDING_EPOCHS and float(r["train_loss"]) > 0, r
@@ -204,7 +210,7 @@ def test_rounding_measures_drift_and_replay(tmp_path):
         first_epoch_of_stage_01 = r["run"] == "broken: no set_epoch" and r["epoch"] == "1"
         assert (float(r["replay_error"]) <= tolerance(r["dtype"])) if first_epoch_of_stage_01 else \
             (float(r["replay_error"]) > 1e-3), r
-    assert_png(tmp_path / "rounding.png")
+    assert_png(out / "rounding.png")
     assert "worst replay" in run.stdout and "caught" in run.stdout and "MISSED" not in run.stdout
     assert "FAILS" not in run.stdout and "wrote " in run.stdout
 
@@ -220,15 +226,17 @@ def test_rounding_bad_flag_is_one_line_and_exit_2(flags, flag):
 # --- benchmarks/fsdp_memory.py ------------------------------------------------------------------
 
 FSDP_MODES, FSDP_WORLDS = ("ddp", "fsdp", "fsdp_no_reshard"), (1, 2, 4)
-FSDP_QUICK = ["--width", "256", "--blocks", "8", "--steps", "2"]  # the README's quick run: 0.5 M parameters
+# The README's quick run (0.5 M parameters): its files and output are what these tests check.
+FSDP_QUICK = "python3 benchmarks/fsdp_memory.py --width 256 --blocks 8 --steps 2 --out runs/fsdp_memory_quick"
+from_fsdp_quick = pytest.mark.readme_run(FSDP_QUICK)
 
 
-@pytest.fixture(scope="module")
-def fsdp_memory_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    out = tmp_path_factory.mktemp("fsdp_memory")
-    return check(run_script("benchmarks/fsdp_memory.py", *FSDP_QUICK, out=out, timeout=120))
+@pytest.fixture
+def fsdp_memory_run(readme_run: Run) -> Run:
+    return replace(readme_run, out=readme_run.out / "runs" / "fsdp_memory_quick")
 
 
+@from_fsdp_quick
 def test_fsdp_memory_writes_every_rank_of_every_configuration(fsdp_memory_run):
     columns, rows = read_csv(fsdp_memory_run.out / "fsdp_memory.csv")
     assert columns == ["mode", "world_size", "rank", "params", "blocks", "width", "batch", "steps", "param_bytes",
@@ -246,6 +254,7 @@ def test_fsdp_memory_writes_every_rank_of_every_configuration(fsdp_memory_run):
     assert_png(fsdp_memory_run.out / "fsdp_memory.png")
 
 
+@from_fsdp_quick
 def test_fsdp_memory_state_per_rank_is_zero3_arithmetic(fsdp_memory_run):
     """FSDP holds 3P/W per rank (parameters, gradients, momentum, all sharded), DDP 3P at every W: counted from
     the tensors each rank holds, so it is exact, not a measurement with noise."""
@@ -268,6 +277,7 @@ def test_fsdp_memory_state_per_rank_is_zero3_arithmetic(fsdp_memory_run):
             assert held[0] > held[1] > held[2], (mode, held)  # falls with W
 
 
+@from_fsdp_quick
 def test_fsdp_memory_prints_progress_and_a_table(fsdp_memory_run):
     out = fsdp_memory_run.stdout
     assert "one torchrun job of 4" in out and "OMP_NUM_THREADS=1" in out

@@ -2,9 +2,9 @@
 
 How blocks are tagged and run, and the markers that say how: tests/readme_blocks.py. A ```python block is
 checked against the train.py beside its README, line by line. A README's bash blocks run in order, in one
-copy of the repository, as a reader runs them (a later block may use what an earlier one made), three READMEs
-at a time. They run in the background from the start of the session, after the top README's tour (conftest:
-the tour's runs are the equivalence tests' `runs`); the tests here check what they did.
+copy of the repository, as a reader runs them (a later block may use what an earlier one made), two READMEs at
+a time (readme_blocks.AT_ONCE). They run in the background from the start of the session, after the top README's
+tour (conftest: the tour's runs are the equivalence tests' `runs`); the tests here check what they did.
 
 Each block runs with OMP_NUM_THREADS=1 (see run_block). The README's set-up line (`python3 -m venv .venv &&
 .venv/bin/pip install -r requirements.txt`) is not run again here: the test command starts with
