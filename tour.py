@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -68,6 +68,10 @@ class Step:
         return [[*TORCHRUN, f"--nnodes={self.nnodes}", f"--nproc_per_node={self.nproc}", f"--node_rank={i}",
                  "--master_addr=127.0.0.1", f"--master_port={port}", *self.torchrun_args, path, *args]
                 for i in range(self.nnodes)]
+
+    def spec(self) -> dict:
+        """What the step runs, its label aside, as JSON: two steps with the same spec launch the same job."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if k != "label"}
 
     @property
     def env(self) -> dict[str, str]:
@@ -267,7 +271,7 @@ def run_job(cmds: list[list[str]], out: Path | None = None, env: dict[str, str] 
 
 def save_run(run: Run, step: Step, out: Path) -> None:
     """Write out/run.json beside the run's own files: which step it was, the command, its exit and what it printed."""
-    record = {"stage": step.stage, "launcher": step.launcher, "label": step.label, "cmd": run.cmd,
+    record = {"stage": step.stage, "launcher": step.launcher, "label": step.label, "step": step.spec(), "cmd": run.cmd,
               "returncode": run.returncode, "seconds": run.seconds, "survivors": run.survivors,
               "stdout": run.stdout, "stderr": run.stderr}
     (out / "run.json").write_text(json.dumps(record, indent=1))

@@ -80,10 +80,10 @@ nb.show_diff("05_multinode", "06_checkpoint")
 #
 # Three runs of two workers each, all with `--snapshot`:
 #
-# 1. **uninterrupted**: 8 epochs in one go;
+# 1. **uninterrupted**: the 20 epochs in one go;
 # 2. **stopped**: the same, but it stops after epoch 4 (`--epochs 4`), leaving its snapshot behind;
 # 3. **resumed**: the same command as 1 with the snapshot of run 2: it finds the snapshot, says so,
-#    and trains epochs 5 to 8 only.
+#    and trains epochs 5 to 20 only.
 #
 # The snapshot is deleted first, so that a previous execution of this notebook cannot be resumed from.
 
@@ -97,7 +97,7 @@ stopped = nb.run(nb.with_args(step, epochs=4, snapshot=snapshot), "06_stopped")
 resumed = nb.run(nb.with_args(step, snapshot=snapshot), "06_resumed")
 
 # %% [markdown]
-# The resumed run's log starts with `resumed from … after epoch 4` and then prints epochs 5 to 8.
+# The resumed run's log starts with `resumed from … after epoch 4` and then prints epochs 5 to 20.
 # Inside the snapshot the stopped run left (and which the resumed one then updated):
 
 # %%

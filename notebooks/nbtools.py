@@ -8,7 +8,9 @@ reports any process that outlived the launcher.
 
 Runs go to runs/notebooks/ in the repository (ignored by git), or to $NOTEBOOK_RUNS if it is set
 (the tests point it at a temporary directory, one for all the notebooks, so they share stage 01's
-reference run: `reference()`).
+reference run: `reference()`). The stages run as the tour runs them (`plan()`, the stages' default
+20 epochs): where $NOTEBOOK_REUSE names the folder of a `tour.py --out` (the tests set it), a run of
+the very same command is taken from there instead of being launched again, and the notebook says so.
 """
 from __future__ import annotations
 
@@ -41,7 +43,9 @@ from tour import (  # noqa: E402  (after the path is set)
 )
 
 RUNS = Path(os.environ.get("NOTEBOOK_RUNS") or ROOT / "runs" / "notebooks")
-WORLD, BATCH, EPOCHS, DTYPE = 2, 32, 8, "float64"  # 2 processes of batch 32 = global batch 64; 8 short epochs
+REUSE = os.environ.get("NOTEBOOK_REUSE")  # a `tour.py --out` folder whose runs stand for the same commands here
+# 2 processes of batch 32 = global batch 64; EPOCHS None: the stages' default (20), as in the tour
+WORLD, BATCH, EPOCHS, DTYPE = 2, 32, None, "float64"
 ATOL = tolerance(DTYPE)  # the tour's: sqrt(eps) of float64 (README.md: "Same weights, up to rounding")
 __all__ = ["ATOL", "BATCH", "DTYPE", "EPOCHS", "ROOT", "RUNS", "TORCHRUN", "WORLD", "Run", "Setup", "Step", "compare",
            "load_stage", "max_abs_diff", "plot_runs", "reference", "run", "setup", "show", "show_diff", "show_outline",
@@ -94,10 +98,11 @@ def setup() -> Setup:
     import torch  # ~2 s: the scripts' own launches pay the same in every process
 
     gpus = torch.cuda.device_count()
-    device = "auto" if gpus >= 2 else "cpu"
+    device = "cpu" if gpus == 1 else "auto"  # auto: the GPUs, or the CPU where there are none (the tour's flag)
     where = f"{gpus} GPUs: nccl" if gpus >= 2 else "the CPU: gloo" + (" (1 GPU is not enough to split)" if gpus else "")
+    epochs = "the stages' default epochs (20)" if EPOCHS is None else f"{EPOCHS} epochs"
     print(f"torch {torch.__version__} | {where} | world size {WORLD}, batch {BATCH} per process "
-          f"= {WORLD * BATCH} global | {EPOCHS} epochs | {DTYPE} | runs in {RUNS}")
+          f"= {WORLD * BATCH} global | {epochs} | {DTYPE} | runs in {RUNS}")
     return Setup(gpus, device, tuple(plan(WORLD, BATCH, EPOCHS, device, DTYPE, gpus if gpus >= 2 else 0)))
 
 
@@ -125,11 +130,21 @@ def shown(cmd: list[str]) -> str:
     return shlex.join(w.removeprefix(f"{ROOT}/") for w in words)
 
 
+def _kept_by_the_tour(step: Step) -> Path | None:
+    """The folder of a run of this very step that `tour.py --out $NOTEBOOK_REUSE` kept, if any."""
+    for record in sorted(Path(REUSE).glob("*/run.json")) if REUSE else []:
+        r = json.loads(record.read_text())
+        if r.get("step") == step.spec() and r["returncode"] == 0 and not r["survivors"]:
+            return record.parent
+    return None
+
+
 def run(what: Step | list[list[str]], name: str, timeout: float = 120.0, env: dict[str, str] | None = None,
-        fresh: bool = True, quiet: bool = False) -> Run:
+        fresh: bool = True, quiet: bool = False, reuse: bool = True) -> Run:
     """Run a step (or one command per node) with its output in RUNS/name; raise if it fails or overruns.
 
-    `fresh` empties RUNS/name first, so a summary is never left over from an earlier run.
+    `fresh` empties RUNS/name first, so a summary is never left over from an earlier run. `reuse`: a step
+    the tour ran as it is, in $NOTEBOOK_REUSE, is taken from there (its files copied to RUNS/name).
     """
     out = RUNS / name
     if fresh:
@@ -143,7 +158,14 @@ def run(what: Step | list[list[str]], name: str, timeout: float = 120.0, env: di
         prefix = " ".join(f"{k}={v}" for k, v in (env or {}).items())
         node = f"    # node {i}, in terminal {i + 1}" if len(cmds) > 1 else ""
         print(f"$ {prefix + ' ' if prefix else ''}{shown(cmd)}{node}")
-    result = run_job(cmds, out, env, timeout=timeout)
+    kept = _kept_by_the_tour(what) if reuse and isinstance(what, Step) else None
+    if kept is not None:
+        shutil.copytree(kept, out, dirs_exist_ok=True)
+        record = json.loads((kept / "run.json").read_text())
+        print(f"(the tour ran this same command: its run in {kept} is reused)")
+        result = Run(cmds[0], 0, record["stdout"], record["stderr"], record["seconds"], out)
+    else:
+        result = run_job(cmds, out, env, timeout=timeout)
     if result.returncode != 0 or result.survivors:
         why = ("it was killed at its time limit" if result.returncode is None else
                f"processes outlived it: {result.survivors}" if result.returncode == 0 else "it failed")

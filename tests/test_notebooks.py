@@ -178,14 +178,20 @@ def test_a_failing_cell_is_named(tmp_path, jupyter_env):
 
 
 @pytest.fixture(scope="module")
-def executions(request, jupyter_env) -> dict[str, tuple[list[float], float] | str]:
+def executions(request, jupyter_env, tour) -> dict[str, tuple[list[float], float] | str]:
     """Every selected notebook run on a fresh kernel, two at a time: {name: (seconds per cell, total) or the failure}.
 
     Two at a time because one leaves a core idle much of the time (its kernel waits for the script it started,
     often a single process). They share one runs directory, as runs/notebooks/ is shared when a reader runs
     them: 01 makes stage 01's reference run and the others reuse it (nbtools.reference waits while it is made).
+    The notebooks run each stage as the tour does, so a run of the very same command is taken from the suite's
+    tour (NOTEBOOK_REUSE, nbtools.run), not launched again: ~10 launches. The tour ran with the GPUs hidden, so
+    only where none is visible to the kernels either.
     """
     chosen = selected(request, "test_notebook_runs_top_to_bottom", "name")
+    import torch
+    if not torch.cuda.is_available():
+        jupyter_env = {**jupyter_env, "NOTEBOOK_REUSE": str(tour.out)}
 
     def one(name: str) -> tuple[list[float], float] | str:
         start = time.monotonic()
