@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -67,8 +67,8 @@ LAST = ("test_notebooks.py", "test_readme_commands.py", "test_faults.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "readme_run(command): the test reads the run of a README command (fixture "
-                                       "readme_run) instead of launching the same again")
+    config.addinivalue_line("markers", "readme_run(*commands): the test reads the runs of these README commands "
+                                       "(conftest.readme_run) instead of launching the same again")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -88,7 +88,8 @@ def readme_blocks_to_run(items: list[pytest.Item]) -> list[Block]:
     """The README blocks that selected tests check or read and that run here (the tour apart: it runs once, first)."""
     chosen = [item.callspec.params["block"] for item in items if item.path.name == "test_readme_commands.py"
               and item.originalname == "test_readme_command_runs_as_written"]
-    chosen += [block_showing(mark.args[0]) for item in items for mark in item.iter_markers("readme_run")]
+    chosen += [block_showing(command) for item in items for mark in item.iter_markers("readme_run")
+               for command in mark.args]
     unique = {block.id: block for block in chosen}.values()  # in order, each once
     return [block for block in unique if not why_skipped(block) and block not in TOURS]
 
@@ -148,15 +149,17 @@ def readme_runs(background: Background) -> dict[str, Run | BaseException]:
     return background.readmes.result()
 
 
-@pytest.fixture
-def readme_run(request: pytest.FixtureRequest, readme_runs: dict[str, Run | BaseException]) -> Run:
-    """The run of the README block showing the command in the test's readme_run marker (its `out`: the copy it ran
-    in). The test then checks what a reader's command made, instead of launching the same command again."""
-    block = block_showing(request.node.get_closest_marker("readme_run").args[0])
+def readme_run(readme_runs: dict[str, Run | BaseException], command: str) -> Run:
+    """The run of a README command, from the run of the block that shows it: its `out` is the command's --out in
+    the copy the block ran in (its stdout, the whole block's). A test that reads it instead of launching the same
+    command again carries the marker readme_run(command), so that the block runs, and before the test."""
+    block = block_showing(command)
+    assert block.id in readme_runs, f"{block.id} did not run: mark the test with pytest.mark.readme_run({command!r})"
     run = readme_runs[block.id]
     if isinstance(run, BaseException):
         raise run
-    return check(run)
+    out = re.search(r"--out (\S+)", command)
+    return replace(check(run), out=run.out / out.group(1) if out else run.out)
 
 
 class Runs:

@@ -118,8 +118,11 @@ def run_block(block: Block, copy: Path, env: dict[str, str] | None = None) -> Ru
 
 
 def block_showing(command: str) -> Block:
-    """The README bash block that shows `command` as one of its commands (a test reads that block's run)."""
-    found = [b for b in COMMANDS if command in b.commands()]
+    """The README bash block that shows `command` as one of its commands (a test reads that block's run).
+
+    Compared word by word: a command continued over several lines (`\\`) counts as one line."""
+    words = command.split()
+    found = [b for b in COMMANDS if any(c.split() == words for c in b.commands())]
     assert len(found) == 1, f"expected one README block showing {command!r}, found {[b.id for b in found]}"
     return found[0]
 

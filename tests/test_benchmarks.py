@@ -12,11 +12,11 @@ import csv
 import os
 import re
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from conftest import readme_run
 from harness import ROOT, Run, check, launch_commands
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -176,12 +176,13 @@ ROUNDING_EPOCHS, ROUNDING_LRS = 5, (0.05,)
 
 
 @pytest.mark.readme_run(ROUNDING_QUICK)
-def test_rounding_measures_drift_and_replay(readme_run):
+def test_rounding_measures_drift_and_replay(readme_runs):
     """Stage 01 vs simulated DDP: float64 drifts less than float32, every correct epoch replays within
     sqrt(eps), every broken run is caught (`no set_epoch` from its second epoch: its first is stage 01's)."""
     from tour import tolerance
 
-    run, out = readme_run, readme_run.out / "runs" / "rounding_quick"
+    run = readme_run(readme_runs, ROUNDING_QUICK)
+    out = run.out
     columns, rows = read_csv(out / "rounding.csv")
     assert columns == ["run", "dtype", "lr", "world_size", "batch_per_rank", "global_batch", "epoch", "steps",
                        "max_dw_end", "max_dw_epoch_max", "replay_error", "tolerance", "train_loss", "batch_flips",
@@ -231,9 +232,9 @@ FSDP_QUICK = "python3 benchmarks/fsdp_memory.py --width 256 --blocks 8 --steps 2
 from_fsdp_quick = pytest.mark.readme_run(FSDP_QUICK)
 
 
-@pytest.fixture
-def fsdp_memory_run(readme_run: Run) -> Run:
-    return replace(readme_run, out=readme_run.out / "runs" / "fsdp_memory_quick")
+@pytest.fixture(scope="module")
+def fsdp_memory_run(readme_runs) -> Run:
+    return readme_run(readme_runs, FSDP_QUICK)
 
 
 @from_fsdp_quick

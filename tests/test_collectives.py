@@ -14,33 +14,46 @@ from pathlib import Path
 
 import pytest
 
+from conftest import readme_run
 from harness import ROOT, Run, check, launch_commands
 
 CHECK = ROOT / "collectives" / "check.py"
 ALGORITHMS = {"ring_simple", "ring", "ring_pieces", "ps"}
 
 
+# The README's check (3 ranks): its reports are read rather than the same command launched again.
+README_WORLD = 3
+README_CHECK = f"python3 collectives/check.py --world-size {README_WORLD} --out runs/collectives_check"
+
+
+def reports_in(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+
+
 def run_check(out: Path, script: Path = CHECK, world: int = 2) -> tuple[Run, list[dict]]:
     """Launch check.py with `world` ranks; return the run and every rank's report."""
     cmd = [sys.executable, str(script), "--world-size", str(world), "--out", str(out)]
     run = launch_commands([cmd], out, timeout=120)
-    reports = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
-    return run, reports
+    return run, reports_in(out)
 
 
 @pytest.fixture(scope="module")
-def checked(tmp_path_factory: pytest.TempPathFactory):
-    """checked(W): check.py's run with W ranks, launched once per module and shared."""
+def checked(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """checked(W): check.py's run with W ranks, launched once per module and shared (W = 3: the README's)."""
     done: dict[int, tuple[Run, list[dict]]] = {}
 
     def get(world: int) -> tuple[Run, list[dict]]:
         if world not in done:
-            done[world] = run_check(tmp_path_factory.mktemp(f"check{world}"), world=world)
+            if world == README_WORLD:
+                run = readme_run(request.getfixturevalue("readme_runs"), README_CHECK)
+                done[world] = run, reports_in(run.out)
+            else:
+                done[world] = run_check(tmp_path_factory.mktemp(f"check{world}"), world=world)
         return done[world]
     return get
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(README_WORLD, marks=pytest.mark.readme_run(README_CHECK)), 4])
 def test_ring_and_ps_equal_dist_all_reduce(checked, world):
     run, reports = checked(world)
     check(run)

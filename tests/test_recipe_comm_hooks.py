@@ -14,26 +14,29 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import Run, Step, check, launch, load_stage, max_gap, replay_error, tolerance
+from conftest import readme_run
+from harness import Run, load_stage, max_gap, replay_error, tolerance
 
 RECIPE = "recipes/comm_hooks"
 W, B, EPOCHS, RANK = 2, 32, 5, 2  # global batch 64: stage 01's in runs["01"]
-ARGS = ("--device", "cpu", "--dtype", "float64", "--batch-size", str(B), "--epochs", str(EPOCHS))
+# The README's two lossy runs: the tests read what they made (conftest.readme_run) rather than launch them again.
+RUN = f"torchrun --standalone --nproc_per_node={W} {RECIPE}/train.py --dtype float64 --batch-size {B} --epochs {EPOCHS}"
+FP16_RUN = f"{RUN} --hook fp16 --out runs/fp16"
+POWERSGD_RUN = f"{RUN} --hook powersgd --powersgd-rank {RANK} --out runs/powersgd"
+pytestmark = pytest.mark.readme_run(FP16_RUN, POWERSGD_RUN)
 FLOAT64, FP16 = torch.float64.itemsize, torch.float16.itemsize
 MIN_COMPRESSION_RATE = 2  # PowerSGDState's default: compress only when n*m > 2 * (n + m) * r (torch docs)
 LOSSY = 1e3 * tolerance("float64")  # a replay error this large is not rounding (that is ~1e-15 here)
 
 
 @pytest.fixture(scope="module")
-def fp16(tmp_path_factory) -> Run:
-    step = Step(RECIPE, "torchrun", (*ARGS, "--hook", "fp16"), nproc=W)
-    return check(launch(step, out=tmp_path_factory.mktemp("fp16")))
+def fp16(readme_runs) -> Run:
+    return readme_run(readme_runs, FP16_RUN)
 
 
 @pytest.fixture(scope="module")
-def powersgd(tmp_path_factory) -> Run:
-    step = Step(RECIPE, "torchrun", (*ARGS, "--hook", "powersgd", "--powersgd-rank", str(RANK)), nproc=W)
-    return check(launch(step, out=tmp_path_factory.mktemp("powersgd")))
+def powersgd(readme_runs) -> Run:
+    return readme_run(readme_runs, POWERSGD_RUN)
 
 
 def shapes() -> list[torch.Size]:

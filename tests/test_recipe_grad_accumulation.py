@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+from conftest import readme_run
 from harness import (
     Run,
     Step,
@@ -27,6 +28,9 @@ RECIPE = "recipes/grad_accumulation"
 W, B, K = 2, 16, 2  # global batch W*K*B = 64: stage 01's batch in runs["01"]
 ARGS = ("--device", "cpu", "--dtype", "float64", "--batch-size", str(B), "--accumulate", str(K))
 SYNCED_EPOCHS = 3  # the comparison run needs only a few epochs: it is checked against the trajectory's epoch 3
+# The README's run without no_sync: the test reads what it made (conftest.readme_run) rather than launch it again.
+SYNCED_RUN = (f"torchrun --standalone --nproc_per_node={W} {RECIPE}/train.py --batch-size {B} --accumulate {K} "
+              f"--epochs {SYNCED_EPOCHS} --dtype float64 --sync-every-micro-batch --out runs/accumulate_sync")
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +39,8 @@ def accumulated(tmp_path_factory) -> Run:
 
 
 @pytest.fixture(scope="module")
-def synced(tmp_path_factory) -> Run:
-    step = Step(RECIPE, "torchrun", (*ARGS, "--sync-every-micro-batch", "--epochs", str(SYNCED_EPOCHS)), nproc=W)
-    return check(launch(step, out=tmp_path_factory.mktemp("synced")))
+def synced(readme_runs) -> Run:
+    return readme_run(readme_runs, SYNCED_RUN)
 
 
 def test_accumulation_computes_stage_01_at_the_global_batch(runs, accumulated):
@@ -57,6 +60,7 @@ def test_gradients_are_all_reduced_once_per_optimizer_step(accumulated):
     assert accumulated.stdout.count(f"gradient all-reduces: {s['allreduces']} (") == 1  # rank 0 alone prints it
 
 
+@pytest.mark.readme_run(SYNCED_RUN)
 def test_without_no_sync_same_weights_and_k_times_the_traffic(accumulated, synced):
     a, s = accumulated.summary, synced.summary
     assert s["sync_every_micro_batch"] and not a["sync_every_micro_batch"]
