@@ -61,8 +61,8 @@ class Tour:
 # Run first, while the tour runs in the background: modules that read none of its runs and time nothing.
 BEFORE_THE_TOUR_ENDS = ("test_benchmarks.py", "test_collectives.py")
 # Run last: they keep both cores busy alone (the notebooks' kernels; the fault battery, six jobs at a time), and
-# the README test waits for the README commands. The modules in between, mostly one job at a time, run beside
-# the README commands.
+# the README test waits for the README commands (so do the tests marked readme_run: they run with it). The modules
+# in between, mostly one job at a time, run beside the README commands.
 LAST = ("test_notebooks.py", "test_readme_commands.py", "test_faults.py")
 
 
@@ -152,7 +152,8 @@ def readme_runs(background: Background) -> dict[str, Run | BaseException]:
 def readme_run(readme_runs: dict[str, Run | BaseException], command: str) -> Run:
     """The run of a README command, from the run of the block that shows it: its `out` is the command's --out in
     the copy the block ran in (its stdout, the whole block's). A test that reads it instead of launching the same
-    command again carries the marker readme_run(command), so that the block runs, and before the test."""
+    command again carries the marker readme_run(command): the block then runs in the background, and the test
+    after the README commands."""
     block = block_showing(command)
     assert block.id in readme_runs, f"{block.id} did not run: mark the test with pytest.mark.readme_run({command!r})"
     run = readme_runs[block.id]
