@@ -2,9 +2,9 @@
 
 docker/Dockerfile is built by a real engine (podman: Docker's daemon does not run here), on a Debian base
 made by docker/debian-base.sh (no registry is reachable), with torch from a wheelhouse instead of an index:
-only build arguments differ from a reader's build. The build takes 100-250 s here but little CPU (it mostly
-waits on debootstrap's downloads and dpkg), so it starts with the session, in the background beside the
-tour (conftest.background); tests/test_containers.py runs the compose job on the image.
+only build arguments differ from a reader's build. The build takes 100-250 s here but keeps only about half a
+core busy (it waits on debootstrap's downloads and on dpkg), so it starts with the session, in the background
+beside the tour (conftest.background); tests/test_containers.py runs the compose job on the image.
 """
 from __future__ import annotations
 
