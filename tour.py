@@ -171,6 +171,8 @@ class Run:
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     env["PYTHONUNBUFFERED"] = "1"
+    # A process killed by a crash inside torch (SIGSEGV, SIGABRT) prints where it was, in Python, instead of nothing.
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     env.update(extra or {})
     return env
 
