@@ -171,8 +171,9 @@ def test_bad_flag_is_one_line_and_exit_2(script, flags, flag):
 # --- benchmarks/rounding.py ---------------------------------------------------------------------
 
 # The README's quick run, with its check against real runs: its files and output are what the test checks.
-ROUNDING_QUICK = "python3 benchmarks/rounding.py --epochs 5 --lrs 0.05 --check-epochs 2 --out runs/rounding_quick"
 ROUNDING_EPOCHS, ROUNDING_LRS = 5, (0.05,)
+ROUNDING_QUICK = (f"python3 benchmarks/rounding.py --epochs {ROUNDING_EPOCHS} --lrs {','.join(map(str, ROUNDING_LRS))} "
+                  f"--check-epochs 2 --out runs/rounding_quick")
 
 
 @pytest.mark.readme_run(ROUNDING_QUICK)
@@ -182,8 +183,7 @@ def test_rounding_measures_drift_and_replay(readme_runs):
     from tour import tolerance
 
     run = readme_run(readme_runs, ROUNDING_QUICK)
-    out = run.out
-    columns, rows = read_csv(out / "rounding.csv")
+    columns, rows = read_csv(run.out / "rounding.csv")
     assert columns == ["run", "dtype", "lr", "world_size", "batch_per_rank", "global_batch", "epoch", "steps",
                        "max_dw_end", "max_dw_epoch_max", "replay_error", "tolerance", "train_loss", "batch_flips",
                        "relu_flips", "samples_with_flip", "max_abs_logit"]
@@ -211,7 +211,7 @@ def test_rounding_measures_drift_and_replay(readme_runs):
         first_epoch_of_stage_01 = r["run"] == "broken: no set_epoch" and r["epoch"] == "1"
         assert (float(r["replay_error"]) <= tolerance(r["dtype"])) if first_epoch_of_stage_01 else \
             (float(r["replay_error"]) > 1e-3), r
-    assert_png(out / "rounding.png")
+    assert_png(run.out / "rounding.png")
     assert "worst replay" in run.stdout and "caught" in run.stdout and "MISSED" not in run.stdout
     assert "FAILS" not in run.stdout and "wrote " in run.stdout
 
