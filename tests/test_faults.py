@@ -257,11 +257,21 @@ def contents(path: Path) -> bytes | dict[str, bytes]:
 
 
 def left_alone(outcome: Outcome, place: Place) -> None:
-    path = outcome.facts["path"]
-    assert contents(path) == outcome.facts["before"], f"{path} was changed"
+    untouched(outcome.facts["path"], outcome.facts["before"], place)
+
+
+def untouched(path: Path, before: bytes | dict[str, bytes], place: Place) -> None:
+    """The refused snapshot is as it was (`before`: its contents()), no pickled code ran, no half-save is left."""
+    assert contents(path) == before, f"{path} was changed"
     assert not place.payload_marker.exists(), "the pickle payload ran"
     assert not list(path.parent.glob(path.name + ".tmp")), "a half-written snapshot was left behind"
     assert not (path.is_dir() and list(path.glob("*.tmp"))), "a half-written checkpoint was left behind"
+
+
+def one_line(stage: str, stderr: str, start: str = "") -> bool:
+    """The script refused in exactly one stderr line, its own: `<stage>/train.py: error: <start>...`."""
+    lines = stderr.strip().splitlines()
+    return len(lines) == 1 and lines[0].startswith(f"{stage}/train.py: error: {start}")
 
 
 # --- the cases ------------------------------------------------------------------------------------------------
@@ -473,8 +483,7 @@ def test_fault(outcomes, place, case):
     assert case.message.format(**outcome.facts) in run.stdout + run.stderr, where
     assert not run.survivors, f"processes left running: {run.survivors}: {where}"
     if case.one_line:
-        lines = run.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith(f"{case.stage}/train.py: error: "), where
+        assert one_line(case.stage, run.stderr), where
         assert "epoch" not in run.stdout, f"training started before the refusal: {where}"
     if case.also:
         case.also(outcome, place)
@@ -512,8 +521,7 @@ def test_bad_value_is_refused_in_one_line(paths, stage, args, message):
     code, out, err = refusal(load_stage(stage), with_place(args, paths))
     where = f"{stage}/train.py {' '.join(args)}: exit {code}\nstdout: {out}\nstderr: {err}"
     assert code == 2, where
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"{stage}/train.py: error: ") and message in lines[0], where
+    assert one_line(stage, err) and message in err, where
     assert not out, where
 
 
@@ -529,10 +537,9 @@ def test_bad_snapshot_is_refused_in_one_line(place, stage, kind):
     code, out, err = refusal(load_stage(stage), args, whole_main=True)
     where = f"{stage}/train.py {' '.join(args)}: exit {code}\nstdout: {out}\nstderr: {err}"
     assert code == 2, where
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"{stage}/train.py: error: argument --snapshot: "), where
+    assert one_line(stage, err, "argument --snapshot: "), where
     assert "epoch" not in out, where
-    left_alone(Outcome(None, 0.0, {"path": path, "before": before}), place)
+    untouched(path, before, place)
 
 
 def test_in_process_snapshot_check_sees_a_missing_check(place, tmp_path):
