@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import pickle
 import re
 import shutil
 import socket
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
+
+if torch.__version__ < (2, 6):  # fully_shard (FSDP2) is public from torch 2.6; older ones fail on the imports below
+    print(f"08_fsdp/train.py: error: needs torch 2.6 or newer, not {torch.__version__}", file=sys.stderr)
+    sys.exit(2)
+
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
@@ -36,7 +38,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
 STAGE = "08_fsdp"
@@ -103,108 +104,15 @@ def full_model(model: nn.Module, hidden: int) -> nn.Module:
     return full
 
 
-def local_bytes(tensors) -> int:
-    """Bytes of this rank's pieces of some DTensors (what it really holds)."""
-    return sum(t.to_local().numel() * t.element_size() for t in tensors)
-
-
-def memory_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """What this rank holds after a step: its shards of the parameters, of their gradients, of SGD's momentum."""
-    params = list(model.parameters())
-    return {"params": local_bytes(params), "grads": local_bytes(p.grad for p in params if p.grad is not None),
-            "optimizer": local_bytes(optimizer.state[p]["momentum_buffer"] for p in params if p in optimizer.state)}
-
-
-class CollectiveCounter(TorchDispatchMode):
-    """Counts the collectives called while it is active: every c10d op passes through torch's dispatcher."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d":  # e.g. c10d._allgather_base_ -> "allgather"
-            name = str(func.overloadpacket).removeprefix("c10d.").strip("_").removesuffix("_base")
-            self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 PROGRESS = "progress.json"  # beside the shards: epochs done, losses, and the settings the checkpoint was made with
 PROGRESS_KEYS = {"epochs_run", "losses", "steps", "seed", "global_batch", "dtype", "hidden", "world_size"}
 CHECKPOINT = re.compile(r"epoch_(\d{4,})")  # a complete checkpoint; "epoch_NNNN.tmp" is one being written
-
-
-class SnapshotError(Exception):
-    """A --snapshot directory that cannot be resumed from: reported in one line, exit status 2."""
-
-
-class MetadataUnpickler(pickle.Unpickler):
-    """Reads a checkpoint's .metadata, which dcp.load unpickles as it is: only what metadata is made of passes."""
-
-    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-               ("pathlib", "WindowsPath"), ("collections", "OrderedDict"),
-               ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
-
-    def find_class(self, module: str, name: str):
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        # The metadata's own classes (dataclasses, an enum); not its module's functions, which a pickle could call.
-        metadata_class = module == "torch.distributed.checkpoint.metadata" and \
-            isinstance(getattr(dcp.metadata, name, None), type)
-        if (module, name) in self.ALLOWED or dtype or metadata_class:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata (a pickle that runs "
-                                     f"code?)")
 
 
 def checkpoints(directory: Path) -> list[Path]:
     """The complete checkpoints in `directory`, oldest first."""
     found = [p for p in directory.iterdir() if CHECKPOINT.fullmatch(p.name)] if directory.is_dir() else []
     return sorted(found, key=lambda p: int(CHECKPOINT.fullmatch(p.name).group(1)))
-
-
-def load_snapshot(directory: Path, seed: int, global_batch: int, dtype: str, hidden: int) -> dict | None:
-    """Check the newest checkpoint in `directory` without reading its shards; None if there is none yet."""
-    strangers = [p.name for p in directory.iterdir() if not CHECKPOINT.fullmatch(p.name.removesuffix(".tmp"))] \
-        if directory.is_dir() else []
-    if strangers:
-        raise SnapshotError(f"{directory} is not a checkpoint directory of this stage (it holds {strangers[0]}); "
-                            f"give a new or empty directory")
-    if not (found := checkpoints(directory)):
-        return None
-    path = found[-1]
-    try:
-        progress = json.loads((path / PROGRESS).read_text())
-        with open(path / ".metadata", "rb") as f:  # what was saved, and where each piece lies
-            metadata = MetadataUnpickler(f).load()
-    except Exception as e:  # a file missing or unreadable
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise SnapshotError(f"cannot load {path}: {first_line}") from e
-    if not isinstance(progress, dict) or not PROGRESS_KEYS <= progress.keys():
-        raise SnapshotError(f"{path / PROGRESS} is not this stage's (expected the keys {sorted(PROGRESS_KEYS)})")
-    expected = {f"model.{k}": list(v.shape) for k, v in Net(hidden).state_dict().items()}
-    found_shapes = {k: list(getattr(metadata.state_dict_metadata.get(k), "size", [])) for k in expected}
-    if found_shapes != expected:
-        raise SnapshotError(f"{path} holds another model's weights (keys or shapes differ from this Net with "
-                            f"--hidden {hidden})")
-    for piece in metadata.storage_data.values():  # a shard file missing or cut short: found now, not mid-load
-        file = path / piece.relative_path
-        if not file.exists() or file.stat().st_size < piece.offset + piece.length:
-            raise SnapshotError(f"{file} is {'truncated' if file.exists() else 'missing'}; that checkpoint is "
-                                f"incomplete")
-    made_with = (progress["seed"], progress["global_batch"], progress["dtype"])
-    if made_with != (seed, global_batch, dtype):
-        raise SnapshotError(f"{path} was made with --seed {made_with[0]}, global batch {made_with[1]} and "
-                            f"--dtype {made_with[2]}; resume with the same, or use another --snapshot")
-    return {"path": path, **progress}
-
-
-def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int) -> dict:
-    """Weights and momentum after `epoch` epochs, gathered whole from the shards, on the CPU: tour.py replays them."""
-    params = list(model.parameters())
-    # full_tensor() all-gathers a DTensor (every rank calls it, in the same order); on one rank it is the shard itself.
-    return {"epoch": epoch, "params": [p.detach().full_tensor().cpu().clone() for p in params],
-            "momentum": [optimizer.state[p]["momentum_buffer"].full_tensor().cpu().clone()
-                         if p in optimizer.state else None for p in params]}
 
 
 class Trainer:
@@ -218,13 +126,12 @@ class Trainer:
         self.master_process = master_process  # rank 0 alone logs
         self.losses: list[float] = []
         self.steps = 0
-        self.trajectory: list[dict] = []  # state_of() at the start and after every epoch
+        self.trajectory: list[dict] = []  # for the tour's replay: state_of() at the start and after each epoch
         self.snapshot_path = snapshot_path  # a directory: one file of shards per rank in each checkpoint
         self.save_every = save_every
         self.seed = seed
         self.hidden = hidden
         self.epochs_run = 0
-        self.collectives: dict[str, int] | None = None  # those of the first step, counted
         if snapshot is not None:
             self._load_snapshot(snapshot)
 
@@ -251,13 +158,7 @@ class Trainer:
         except (Exception, dcp.CheckpointException) as e:  # raised on every rank if any rank failed to write
             if self.master_process:
                 shutil.rmtree(tmp, ignore_errors=True)
-            causes = "; ".join(f"rank {r}: {exc}" for r, (exc, _) in e.failures.items()) \
-                if isinstance(e, dcp.CheckpointException) else str(e)
-            free = shutil.disk_usage(self.snapshot_path).free
-            kept = f"{checkpoints(self.snapshot_path)[-1]} is still the last checkpoint" \
-                if checkpoints(self.snapshot_path) else "there is no earlier checkpoint"
-            raise OSError(f"writing the checkpoint {tmp} failed ({causes}; {free} bytes free on that disk); "
-                          f"{kept}") from None
+            raise failed_save(e, tmp, self.snapshot_path) from None  # one line: why, and what is kept (below)
         if self.master_process:
             progress = {"epochs_run": self.epochs_run, "losses": self.losses, "steps": self.steps, "seed": self.seed,
                         "global_batch": self.train_loader.batch_size * dist.get_world_size(),
@@ -285,17 +186,15 @@ class Trainer:
         self.train_loader.sampler.set_epoch(epoch)  # without it, every epoch repeats epoch 0's order
         total = torch.zeros((), device=self.device, dtype=torch.float64)  # float64 in either --dtype: stages compare it
         for x, y in self.train_loader:
-            if self.collectives is None:  # this process's first step: count the collectives it makes
-                with CollectiveCounter() as counter:
-                    total += self._run_batch(x.to(self.device), y.to(self.device))
-                self.collectives = counter.counts
-            else:
-                total += self._run_batch(x.to(self.device), y.to(self.device))
+            total += self._run_batch(x.to(self.device), y.to(self.device))
         dist.all_reduce(total)  # each rank saw different samples: the mean over ranks is stage 01's loss
         return total.item() / (len(self.train_loader) * dist.get_world_size())
 
     def train(self, epochs: int) -> None:
         self.trajectory.append(state_of(self.model, self.optimizer, self.epochs_run))
+        if self.epochs_run >= epochs and self.master_process:  # a finished checkpoint: say so, do not look stuck
+            print(f"nothing to train: the checkpoint is at epoch {self.epochs_run} and --epochs is {epochs}; "
+                  f"pass --epochs {self.epochs_run + 10} to train 10 more, or another --snapshot to start afresh")
         for epoch in range(self.epochs_run, epochs):  # a resumed run starts after the snapshot's last epoch
             start = time.perf_counter()
             self.losses.append(self._run_epoch(epoch))
@@ -344,33 +243,6 @@ def replica_max_abs_diff(model: nn.Module) -> float:
     return max((g - gathered[0]).abs().max().item() for g in gathered)
 
 
-def write_summary(out: Path, summary: dict, model: nn.Module, trajectory: list[dict]) -> None:
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    torch.save(model.state_dict(), out / "model.pt")
-    torch.save(trajectory, out / "trajectory.pt")
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line naming the flag, exit 2 (no usage dump)
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
-        return value
-    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
-    return parse
-
-
-def ensure_writable(directory: Path) -> None:
-    """Create `directory` if needed and write a file there: mkdir alone succeeds on a read-only disk."""
-    directory.mkdir(parents=True, exist_ok=True)
-    tempfile.TemporaryFile(dir=directory).close()
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(prog=f"{STAGE}/train.py", description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=positive(int), default=20)
@@ -390,29 +262,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"width of the hidden layers ({HIDDEN}: stage 01's model; wider: more to shard)")
     p.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
                    help="keep each unit gathered from its forward to its backward: fewer all-gathers, more memory")
-    args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("argument --device: cuda asked but no GPU is visible; use --device cpu (or auto)")
-    n_gpus = torch.cuda.device_count() if pick_device(args.device).type == "cuda" else 0
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes torchrun started on this node
-    if n_gpus and local_world_size > n_gpus:
-        p.error(f"torchrun --nproc_per_node: {local_world_size} processes but {n_gpus} GPU(s) visible; "
-                f"use --nproc_per_node={n_gpus} or fewer (or --device cpu)")
-    if args.out is not None:
-        try:  # fail now, not after training
-            ensure_writable(args.out)
-        except OSError as e:
-            p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
-    if args.snapshot is not None:
-        if args.snapshot.exists() and not args.snapshot.is_dir():
-            p.error(f"argument --snapshot: {args.snapshot} is a file; give a directory (each rank writes its own "
-                    f"shards)")
-        try:  # fail now, not at the first save
-            ensure_writable(args.snapshot)
-        except OSError as e:
-            p.error(f"argument --snapshot: cannot write to {args.snapshot} ({e.strerror}); "
-                    f"choose a writable directory")
-    return args
+    return check_checkpoint_arg(p, check_args(p, p.parse_args(argv)))
 
 
 def pick_device(choice: str) -> torch.device:
@@ -477,58 +327,27 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # set by torchrun only; 0 on its first start
         print(f"resumed from {snapshot['path']} (written by {snapshot['world_size']} ranks) after epoch "
               f"{resumed_from}" + (f" (torchrun restart {restarts})" if restarts else ""))
+    collectives = count_first_step(trainer)  # what one step communicates, filled in as it runs (below the line)
     start = time.perf_counter()
     trainer.train(args.epochs)
     seconds = time.perf_counter() - start
 
-    held: list[dict] = [{} for _ in range(world_size)]  # what each rank holds: bytes, and the shape of each shard
-    dist.all_gather_object(held, {"bytes": memory_of(model, optimizer),
-                                  "shapes": {n: list(p.to_local().shape) for n, p in model.named_parameters()}})
-    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # DTensor.numel(): the whole
-    full = full_model(model, args.hidden)  # on every rank: what each would hold as a DDP replica
+    full = full_model(model, args.hidden)  # on every rank: the plain Net a DDP replica would be
     loss_sum, correct, count = evaluate_distributed(full, eval_set, device)
     # No replicas to compare (each rank holds other shards); the FSDP analogue: every rank assembled the same model.
     max_diff = replica_max_abs_diff(full)
+    shards = what_each_rank_holds(model, optimizer)  # bytes and shapes of every rank's shards (below the line)
     if master_process:
         print(f"held-out: loss {loss_sum / count:.4f} | accuracy {correct / count:.2%} ({count} samples)")
         print(f"assembled model: max |difference| from rank 0's = {max_diff:.3g} over {world_size} ranks")
-        print("model state per rank (bytes of parameters + gradients + momentum): "
-              + " | ".join(f"rank {r} {sum(h['bytes'].values()):,}" for r, h in enumerate(held))
-              + f"; a DDP replica holds {3 * full_bytes:,}")
-        if trainer.collectives is not None:
-            counts = ", ".join(f"{n} {op}" for op, n in sorted(trainer.collectives.items())) or "none (one rank)"
-            print(f"collectives in one step: {counts} (reshard_after_forward={args.reshard_after_forward})")
+        print_shards_and_collectives(shards, collectives, args.reshard_after_forward)
     if master_process and args.out is not None:
-        global_batch = args.batch_size * world_size
-        summary = {
-            "stage": STAGE, "world_size": world_size, "backend": dist.get_backend(), "device": device.type,
-            "global_batch": global_batch, "batch_size": args.batch_size, "epochs": args.epochs,
-            "lr": args.lr, "dtype": args.dtype, "seed": args.seed, "steps": trainer.steps, "losses": trainer.losses,
-            "eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_count": count,
-            "replica_max_abs_diff": max_diff, "seconds": seconds,
-            "hidden": args.hidden, "reshard_after_forward": args.reshard_after_forward,
-            "bytes_per_rank": [h["bytes"] for h in held], "shard_shapes": [h["shapes"] for h in held],
-            "full_bytes": {"params": full_bytes, "grads": full_bytes, "optimizer": full_bytes},
-            "collectives_per_step": trainer.collectives,
-            "nodes": len({p["node"] for p in layout}), "layout": layout,
-            "samples_per_s": (trainer.epochs_run - resumed_from) * len(train_loader) * global_batch / seconds,
-            "resumed_from_epoch": resumed_from,
-            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-        }
-        write_summary(args.out, summary, full, trainer.trajectory)
+        save_run(args, trainer, full, device, (loss_sum, correct, count), seconds, world_size, max_diff,
+                 hidden=args.hidden, reshard_after_forward=args.reshard_after_forward, **shards,
+                 collectives_per_step=collectives.get("dp", {}), nodes=len({p["node"] for p in layout}), layout=layout,
+                 resumed_from_epoch=resumed_from, restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
     if max_diff != 0:  # every rank computed the same max_diff, so all stop here together
         raise RuntimeError(f"the ranks assembled different models (max |difference| {max_diff:.3g})")
-
-
-def explain_peer_failure(error: RuntimeError, timeout: float) -> str | None:
-    """One line for the two ways another rank's failure reaches this one; None for any other error."""
-    text = str(error).lower()
-    if "timed out" in text or "timeout" in text:
-        return (f"waited more than --timeout {timeout:g}s for another rank: it stalled, died or skipped a "
-                f"collective this rank called; raise --timeout only if a rank legitimately works alone that long")
-    if "connection closed by peer" in text or "connection reset by peer" in text:
-        return "another rank closed its connection (it died): its own error, or its launcher's, says why"
-    return None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -559,12 +378,270 @@ def main(argv: list[str] | None = None) -> None:
         # On success train() has returned and its model is gone: destroying the group while a DDP
         # model still holds it can hang a gloo process at exit (pytorch/pytorch#75097).
         dist.destroy_process_group()
-    # Leave without Python's interpreter teardown: a gloo worker thread may still be releasing
-    # the last collective, which needs the GIL, and teardown aborts it ("terminate called
-    # without an active exception": 5 of 22 runs here; 0 of 60 with this exit). Nothing is left to clean up.
+    exit_without_teardown()  # skips Python's teardown, which a gloo thread can crash (below the line)
+
+
+# ═══ The lesson ends here ═══════════════════════════════════════════════════════════════════════════════════════
+# Below: what only the tour and the tests need, the same in every stage (tests/test_repo.py checks it); leave it out
+# of your own project. Flag values refused in one line (check_args), the run's files for --out (state_of, save_run),
+# one line on how another rank failed (explain_peer_failure), and a clean exit past a gloo bug.
+
+import math
+import pickle
+import tempfile
+import warnings
+
+from torch.distributed.tensor.debug import CommDebugMode
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line naming the flag, exit 2 (no usage dump)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
+    return parse
+
+
+def ensure_writable(directory: Path) -> None:
+    """Create `directory` if needed and write a file there: mkdir alone succeeds on a read-only disk."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tempfile.TemporaryFile(dir=directory).close()
+
+
+def check_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Refuse now, in one line, what would otherwise fail later, on one rank only, or in a traceback."""
+    needs = (2, 6) if STAGE[:2] in ("08", "09") else (2, 0)  # when the APIs each stage uses became public
+    if torch.__version__ < needs:
+        p.error(f"torch {torch.__version__} is too old for {STAGE}: it needs {needs[0]}.{needs[1]} or newer "
+                f"(the tutorial is tested with 2.13); see 'Using another torch' in README.md")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("argument --device: cuda asked but no GPU is visible; use --device cpu (or auto)")
+    gpus = torch.cuda.device_count() if pick_device(args.device).type == "cuda" else 0
+    spawned = getattr(args, "world_size", None)  # stage 03 starts its processes itself
+    if gpus and spawned and spawned > gpus:
+        p.error(f"argument --world-size: {spawned} processes but {gpus} GPU(s) visible; "
+                f"use --world-size {gpus} or fewer (or --device cpu)")
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes torchrun started on this node
+    if gpus and local_world_size > gpus:
+        p.error(f"torchrun --nproc_per_node: {local_world_size} processes but {gpus} GPU(s) visible; "
+                f"use --nproc_per_node={gpus} or fewer (or --device cpu)")
+    if "world_size" in args and "MASTER_PORT" in os.environ:  # stage 03, with a port of yours: check it now
+        port = os.environ["MASTER_PORT"]
+        if not (port.isdigit() and 0 < int(port) < 65536):
+            p.error(f"MASTER_PORT={port} is not a port number; unset it (a free port is picked) or use 1-65535")
+        if not port_is_free(int(port)):
+            p.error(f"MASTER_PORT={port} is in use by another process; unset it (a free port is picked) "
+                    f"or choose another")
+    if args.out is not None:
+        try:  # fail now, not after training
+            ensure_writable(args.out)
+        except OSError as e:
+            p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
+    return args
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as rank 0's store does
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int) -> dict:
+    """Weights and momentum after `epoch` epochs, whole and on the CPU: tour.py replays each epoch from them."""
+    def whole(t: torch.Tensor) -> torch.Tensor:  # a DTensor (08, 09) is all-gathered: every rank calls this
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+    params = list(model.parameters())
+    return {"epoch": epoch, "params": [whole(p) for p in params],
+            "momentum": [whole(optimizer.state[p]["momentum_buffer"]) if p in optimizer.state else None
+                         for p in params]}
+
+
+def save_run(args: argparse.Namespace, trainer, model: nn.Module, device: torch.device, evaluation: tuple,
+             seconds: float, world_size: int = 1, max_diff: float = 0.0, **facts) -> None:
+    """--out: summary.json (the run in numbers), model.pt (the plain model) and trajectory.pt (for the replay)."""
+    loss_sum, correct, count = evaluation
+    global_batch = facts.pop("global_batch", args.batch_size * world_size)
+    epochs_here = len(trainer.trajectory) - 1  # trained by this run: a resumed one records from where it resumed
+    summary = {
+        "stage": STAGE, "world_size": world_size, "backend": dist.get_backend() if dist.is_initialized() else None,
+        "device": device.type, "global_batch": global_batch, "batch_size": args.batch_size, "epochs": args.epochs,
+        "lr": args.lr, "dtype": args.dtype, "seed": args.seed, "steps": trainer.steps, "losses": trainer.losses,
+        "eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_count": count,
+        "replica_max_abs_diff": max_diff, "seconds": seconds,
+        "samples_per_s": epochs_here * len(trainer.train_loader) * global_batch / seconds, **facts,
+    }
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    torch.save(model.state_dict(), args.out / "model.pt")
+    torch.save(trainer.trajectory, args.out / "trajectory.pt")
+
+
+def explain_peer_failure(error: RuntimeError, timeout: float) -> str | None:
+    """One line for the two ways another rank's failure reaches this one; None for any other error."""
+    text = str(error).lower()
+    if "timed out" in text or "timeout" in text:
+        return (f"waited more than --timeout {timeout:g}s for another rank: it stalled, died or skipped a "
+                f"collective this rank called; raise --timeout only if a rank legitimately works alone that long")
+    if "connection closed by peer" in text or "connection reset by peer" in text:
+        return "another rank closed its connection (it died): its own error, or its launcher's, says why"
+    return None
+
+
+def exit_without_teardown() -> None:
+    """Leave without Python's interpreter teardown: a gloo worker thread may still be releasing the last
+    collective, which needs the GIL, and teardown aborts it ("terminate called without an active exception":
+    5 of 22 runs here; 0 of 60 with this exit). Nothing is left to clean up."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+# ─── This stage's own checks and reports ──────────────────────────────────────────────────────────────────────────
+# A --snapshot directory that cannot be resumed from is refused in one line; a failed save says why; what each rank
+# holds and what one step communicates are measured (tests/test_fsdp.py reads them).
+
+
+def check_checkpoint_arg(p: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    if args.snapshot is not None:
+        if args.snapshot.exists() and not args.snapshot.is_dir():
+            p.error(f"argument --snapshot: {args.snapshot} is a file; give a directory (each rank writes its own "
+                    f"shards)")
+        try:  # fail now, not at the first save
+            ensure_writable(args.snapshot)
+        except OSError as e:
+            p.error(f"argument --snapshot: cannot write to {args.snapshot} ({e.strerror}); "
+                    f"choose a writable directory")
+    return args
+
+
+class SnapshotError(Exception):
+    """A --snapshot directory that cannot be resumed from: reported in one line, exit status 2."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Reads a checkpoint's .metadata, which dcp.load unpickles as it is: only what metadata is made of passes."""
+
+    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+               ("pathlib", "WindowsPath"), ("collections", "OrderedDict"),
+               ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+    def find_class(self, module: str, name: str):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        # The metadata's own classes (dataclasses, an enum); not its module's functions, which a pickle could call.
+        metadata_class = module == "torch.distributed.checkpoint.metadata" and \
+            isinstance(getattr(dcp.metadata, name, None), type)
+        if (module, name) in self.ALLOWED or dtype or metadata_class:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata (a pickle that runs "
+                                     f"code?)")
+
+
+def load_snapshot(directory: Path, seed: int, global_batch: int, dtype: str, hidden: int) -> dict | None:
+    """Check the newest checkpoint in `directory` without reading its shards; None if there is none yet."""
+    strangers = [p.name for p in directory.iterdir() if not CHECKPOINT.fullmatch(p.name.removesuffix(".tmp"))] \
+        if directory.is_dir() else []
+    if strangers:
+        raise SnapshotError(f"{directory} is not a checkpoint directory of this stage (it holds {strangers[0]}); "
+                            f"give a new or empty directory")
+    if not (found := checkpoints(directory)):
+        return None
+    path = found[-1]
+    try:
+        progress = json.loads((path / PROGRESS).read_text())
+        with open(path / ".metadata", "rb") as f:  # what was saved, and where each piece lies
+            metadata = MetadataUnpickler(f).load()
+    except Exception as e:  # a file missing or unreadable
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SnapshotError(f"cannot load {path}: {first_line}") from e
+    if not isinstance(progress, dict) or not PROGRESS_KEYS <= progress.keys():
+        raise SnapshotError(f"{path / PROGRESS} is not this stage's (expected the keys {sorted(PROGRESS_KEYS)})")
+    expected = {f"model.{k}": list(v.shape) for k, v in Net(hidden).state_dict().items()}
+    found_shapes = {k: list(getattr(metadata.state_dict_metadata.get(k), "size", [])) for k in expected}
+    if found_shapes != expected:
+        raise SnapshotError(f"{path} holds another model's weights (keys or shapes differ from this Net with "
+                            f"--hidden {hidden})")
+    for piece in metadata.storage_data.values():  # a shard file missing or cut short: found now, not mid-load
+        file = path / piece.relative_path
+        if not file.exists() or file.stat().st_size < piece.offset + piece.length:
+            raise SnapshotError(f"{file} is {'truncated' if file.exists() else 'missing'}; that checkpoint is "
+                                f"incomplete")
+    made_with = (progress["seed"], progress["global_batch"], progress["dtype"])
+    if made_with != (seed, global_batch, dtype):
+        raise SnapshotError(f"{path} was made with --seed {made_with[0]}, global batch {made_with[1]} and "
+                            f"--dtype {made_with[2]}; resume with the same, or use another --snapshot")
+    return {"path": path, **progress}
+
+
+def failed_save(error: Exception, tmp: Path, directory: Path) -> OSError:
+    """One line for a save that failed on some rank (dcp names each failure), and what is still there."""
+    causes = "; ".join(f"rank {r}: {exc}" for r, (exc, _) in error.failures.items()) \
+        if isinstance(error, dcp.CheckpointException) else str(error)
+    free = shutil.disk_usage(directory).free
+    kept = f"{checkpoints(directory)[-1]} is still the last checkpoint" if checkpoints(directory) \
+        else "there is no earlier checkpoint"
+    return OSError(f"writing the checkpoint {tmp} failed ({causes}; {free} bytes free on that disk); {kept}")
+
+
+def local_bytes(tensors) -> int:
+    """Bytes of this rank's pieces of some DTensors (what it really holds)."""
+    return sum(t.to_local().numel() * t.element_size() for t in tensors)
+
+
+def what_each_rank_holds(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Every rank's bytes of parameters, gradients and momentum after a step, and its shard shapes (all-gathered)."""
+    params = list(model.parameters())
+    mine = {"bytes": {"params": local_bytes(params), "grads": local_bytes(p.grad for p in params if p.grad is not None),
+                      "optimizer": local_bytes(optimizer.state[p]["momentum_buffer"]
+                                               for p in params if p in optimizer.state)},
+            "shapes": {n: list(p.to_local().shape) for n, p in model.named_parameters()}}
+    held: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(held, mine)
+    full = sum(p.numel() * p.element_size() for p in params)  # DTensor.numel(): the whole parameter
+    return {"bytes_per_rank": [h["bytes"] for h in held], "shard_shapes": [h["shapes"] for h in held],
+            "full_bytes": {"params": full, "grads": full, "optimizer": full}}
+
+
+def count_first_step(trainer) -> dict:
+    """The collectives of the trainer's first step, by kind and mesh dimension, counted by torch's CommDebugMode.
+
+    FSDP2 calls c10d's collectives on the dp group it was given; DTensor's tensor-parallel layers call the functional
+    ones on the tp group (stage 09): so the namespace says the dimension. The dict fills in when the step runs.
+    """
+    counts: dict = {}
+    run_batch = trainer._run_batch
+
+    def counted(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        trainer._run_batch = run_batch  # the first step only
+        with warnings.catch_warnings(), CommDebugMode() as comm:  # its module hooks warn about inputs without grad
+            warnings.simplefilter("ignore")
+            loss = run_batch(x, y)
+        for op, n in comm.get_comm_counts().items():  # op: e.g. c10d._allgather_base_, _c10d_functional.all_reduce
+            namespace, _, name = str(op).partition(".")
+            name = name.strip("_").removesuffix("_base").removesuffix("_into_tensor").removesuffix("_tensor")
+            name = {"all_reduce": "allreduce", "all_gather": "allgather"}.get(name, name)
+            dim = "dp" if namespace == "c10d" else "tp"
+            counts.setdefault(dim, {})[name] = counts.get(dim, {}).get(name, 0) + n
+        return loss
+    trainer._run_batch = counted
+    return counts
+
+
+def print_shards_and_collectives(shards: dict, collectives: dict, reshard_after_forward: bool) -> None:
+    print("model state per rank (bytes of parameters + gradients + momentum): "
+          + " | ".join(f"rank {r} {sum(b.values()):,}" for r, b in enumerate(shards["bytes_per_rank"]))
+          + f"; a DDP replica holds {sum(shards['full_bytes'].values()):,}")
+    counts = ", ".join(f"{n} {op}" for op, n in sorted(collectives.get("dp", {}).items())) or "none (one rank)"
+    print(f"collectives in one step: {counts} (reshard_after_forward={reshard_after_forward})")
 
 
 if __name__ == "__main__":
