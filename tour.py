@@ -18,6 +18,7 @@ import functools
 import importlib.util
 import itertools
 import json
+import math
 import os
 import shutil
 import signal
@@ -82,7 +83,7 @@ class Step:
 
 
 def plan(world: int, batch: int, epochs: int | None = None, device: str = "auto", dtype: str = "float64",
-         gpus: int | None = None) -> list[Step]:
+         gpus: int | None = None, lr: float | None = None, seed: int | None = None) -> list[Step]:
     """Every stage that exists, each set up to compute the same thing at global batch world*batch.
 
     `gpus`: how many the runs may use (default: those visible, none for --device cpu). With one
@@ -90,6 +91,8 @@ def plan(world: int, batch: int, epochs: int | None = None, device: str = "auto"
     """
     gpus = visible_gpus(device) if gpus is None else gpus
     epochs_args = ("--epochs", str(epochs)) if epochs else ()
+    epochs_args += ("--lr", str(lr)) if lr is not None else ()
+    epochs_args += ("--seed", str(seed)) if seed is not None else ()
     one = ("--device", "cuda" if gpus == 1 else device, "--dtype", dtype, *epochs_args)  # single-process runs
     common = ("--device", "cpu" if gpus == 1 else device, "--dtype", dtype, *epochs_args)  # multi-process runs
     tp = next(d for d in (4, 2, 1) if world % d == 0)  # stage 09's tensor-parallel degree
@@ -121,6 +124,13 @@ def plan(world: int, batch: int, epochs: int | None = None, device: str = "auto"
              nproc=world, label=f"torchrun, dp {world // tp} x tp {tp}"),
     ]
     return [s for s in steps if (ROOT / s.stage / "train.py").exists()]
+
+
+def tour_world(gpus: int) -> int:
+    """Processes of the distributed runs: one per GPU, as many as divide the data evenly (a power of two: 4096
+    samples and batch 32 per process), or 2 CPU processes. Three GPUs would make a global batch of 96, which does
+    not divide 4096: DistributedSampler pads the last step with repeated samples, and no stage is then stage 01."""
+    return 2 ** (gpus.bit_length() - 1) if gpus >= 2 else 2
 
 
 def visible_gpus(device: str) -> int:
@@ -438,13 +448,15 @@ def state_gap(params: list, optimizer, state: dict) -> float:
     return max(max_gap(params, state["params"]), max_gap(momentum, state["momentum"]))
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Run every stage and check that each computes stage 01's training.")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["float64", "float32"], default="float64",
                    help="precision of every run: float64 (default) makes rounding too small to hide a bug")
     p.add_argument("--epochs", type=int, help="epochs per stage (default: the stages' own)")
     p.add_argument("--batch-size", type=int, default=32, help="per-process batch b of the distributed stages")
+    p.add_argument("--lr", type=float, help="every stage's learning rate (default: the stages' own, 0.05)")
+    p.add_argument("--seed", type=int, help="every stage's seed: data, initial weights, order (default: 0)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one stage may take before it is killed")
     p.add_argument("--out", type=Path,
                    help="keep every run's files in OUT/<row>-<stage>-<launcher>/: its summary.json, model.pt, "
@@ -453,23 +465,32 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.batch_size < 1 or (args.epochs is not None and args.epochs < 1):
         p.error("--batch-size and --epochs must be positive")
+    if args.lr is not None and not (args.lr > 0 and math.isfinite(args.lr)):
+        p.error(f"argument --lr: must be a positive float, got {args.lr}")
     if args.out is not None:
         try:
             args.out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             p.error(f"--out {args.out}: {e.strerror}; give a directory you can write to")
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     gpus = visible_gpus(args.device)
-    world = gpus if gpus >= 2 else 2  # one process per GPU, or 2 CPU processes
-    steps = plan(world, args.batch_size, args.epochs, args.device, args.dtype, gpus)
+    world = tour_world(gpus)
+    steps = plan(world, args.batch_size, args.epochs, args.device, args.dtype, gpus, args.lr, args.seed)
     tol = tolerance(args.dtype)
     print(f"tour: stages 01-{steps[-1].stage[:2]}, world size {world}, batch {args.batch_size} per process "
-          f"= {world * args.batch_size} global, {args.dtype}; {where(gpus, world)}\n", flush=True)
+          f"= {world * args.batch_size} global, {args.dtype}" + (f", lr {args.lr:g}" if args.lr is not None else "")
+          + (f", seed {args.seed}" if args.seed is not None else "") + f"; {where(gpus, world)}\n", flush=True)
 
     # Stage 05 once more, as a Slurm job on a local two-node cluster, where Slurm is installed.
     slurm_skip = slurm_missing() or ("the local Slurm cluster runs on the CPU only" if gpus >= 2 else None)
     epochs = ("--epochs", str(args.epochs)) if args.epochs else ()
-    slurm_args = ("--device", "cpu" if gpus else args.device, "--dtype", args.dtype, *epochs,
+    settings = (*(("--lr", str(args.lr)) if args.lr is not None else ()),
+                *(("--seed", str(args.seed)) if args.seed is not None else ()))
+    slurm_args = ("--device", "cpu" if gpus else args.device, "--dtype", args.dtype, *epochs, *settings,
                   "--batch-size", str(args.batch_size))
     slurm_step = Step("05_multinode", "sbatch", slurm_args, label=f"sbatch, {world} Slurm nodes")
     runs = [*steps, slurm_step] if slurm_skip is None else steps

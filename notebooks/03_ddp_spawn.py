@@ -29,8 +29,11 @@ cfg = nb.setup()
 #
 # Averaging means every rank must end with the sum of everyone's gradients (then divide by `W`).
 # The obvious design is a **parameter server**: every worker sends its gradient to one server,
-# which sums and sends the result back. The server's link then carries `2·W` gradients per step,
-# and it gets slower with every worker you add.
+# which sums and sends the result back. Drawn here as a **separate server process**: each of the
+# `W` workers sends one gradient and receives one, so the server's link carries `2·W` gradients per
+# step (`W` in, `W` out), and it gets slower with every worker you add. (`collectives/` implements
+# the other common form, **rank 0 as the server**: rank 0 is also a worker, so it receives `W − 1`
+# gradients and sends `W − 1`, `2(W − 1)` in all; see `collectives/README.md`.)
 #
 # A **ring all-reduce** has no centre. The ranks sit in a ring and each talks only to its right
 # neighbour. Every gradient is cut into `W` chunks, and it takes two phases of `W − 1` steps:
@@ -43,8 +46,10 @@ cfg = nb.setup()
 #
 # The simulation below does this with 4 ranks, recording for each rank and chunk *whose* gradients
 # are summed in it. Each rank sends `2(W − 1)` chunks of size `1/W`: less than two whole gradients,
-# however many ranks there are. (nccl and gloo use rings, trees and other schemes depending on size
-# and topology; the ring is the one that shows why the cost stays flat.)
+# however many ranks there are. The last panel compares the busiest node's traffic: the separate
+# server's `2·W` gradients against a ring rank's `4(W − 1)/W` (sent plus received). (nccl and gloo
+# use rings, trees and other schemes depending on size and topology; the ring is the one that shows
+# why the cost stays flat.)
 
 # %%
 def ring_allreduce(n: int) -> list[tuple[str, list[list[frozenset]], set]]:

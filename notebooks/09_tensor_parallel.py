@@ -53,8 +53,8 @@ cfg = nb.setup()
 # layers over `mesh["tp"]` with three lines of plan, then shards each block over `mesh["dp"]` as 08
 # did over the whole world. The sampler takes the **dp** coordinate and size, not the global rank:
 # the tp ranks of a row must see the same samples, since together they compute one forward. The
-# epoch's loss is averaged over the dp column only, and `CollectiveCounter` now sorts what it
-# counts by mesh dimension (DTensor's collectives beside FSDP's). Checkpoints are 08's, unchanged.
+# epoch's loss is averaged over the dp column only, and the collectives of one step are counted per
+# mesh dimension (DTensor's beside FSDP's). Checkpoints are 08's, unchanged.
 
 # %%
 nb.show_diff("08_fsdp", "09_tensor_parallel")

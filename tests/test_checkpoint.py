@@ -41,6 +41,19 @@ def test_resume_is_exact(runs, snapshot_after_8_epochs, tmp_path):
                        uninterrupted["params"] + uninterrupted["momentum"]))
 
 
+def test_a_finished_snapshot_says_there_is_nothing_to_train(snapshot_after_8_epochs, tmp_path):
+    """Resumed at (or past) --epochs, the run trains nothing: it says so in one line, with the --epochs that trains
+    more, instead of ending silently as if it had trained. (One process of batch 64: the snapshot's global batch.)"""
+    snapshot = tmp_path / "s.pt"
+    snapshot.write_bytes(snapshot_after_8_epochs)
+    args = ("--device", "cpu", "--dtype", "float64", "--batch-size", "64", "--epochs", "8", "--snapshot", str(snapshot))
+    run = check(launch(Step(STAGE, "python", args)))
+    assert "after epoch 8" in run.stdout and "epoch 9/" not in run.stdout, run.stdout
+    told = [line for line in run.stdout.splitlines() if line.startswith("nothing to train")]
+    assert len(told) == 1 and "--epochs is 8" in told[0] and "pass --epochs 18" in told[0], run.stdout
+    assert snapshot.read_bytes() == snapshot_after_8_epochs  # nothing trained, nothing saved
+
+
 def _epochs_in(snapshot: Path) -> int:
     try:
         return torch.load(snapshot, weights_only=True)["epochs_run"]

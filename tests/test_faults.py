@@ -600,3 +600,25 @@ def test_every_flag_of_every_stage_has_a_bad_value_case():
                    for flag in re.findall(r"argument (--[a-z-]+): ", message)}
         missing = declared - checked
         assert declared and not missing, f"{stage}: no bad-value case for {sorted(missing)}"
+
+
+@pytest.mark.parametrize("stage,version,refused", [
+    ("01_single_gpu", "1.13.1", True), ("07_model_parallel", "2.0.0", False), ("08_fsdp", "2.5.1", True),
+    ("09_tensor_parallel", "2.6.0", False)])
+def test_a_torch_older_than_the_stage_needs_is_refused_in_one_line(stage, version, refused, monkeypatch, capsys):
+    """08 and 09 need FSDP2, public from torch 2.6: an older torch would fail on their imports in a traceback, so they
+    check it at the top of the file; 01-07 (torch 2.0) in check_args. The stage's minimum itself is accepted."""
+    from torch.torch_version import TorchVersion
+    monkeypatch.setattr(torch, "__version__", TorchVersion(version))
+    try:
+        load_copy(ROOT / stage / "train.py").parse_args(["--device", "cpu"])
+        code = None  # accepted
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err.strip()
+    if not refused:
+        assert code is None and not err, (code, err)
+        return
+    assert code == 2 and "\n" not in err, err
+    needs = "2.6" if stage >= "08" else "2.0"
+    assert err.startswith(f"{stage}/train.py: error: ") and version in err and needs in err, err

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from harness import plan
+from tour import parse_args, tour_world
 
 WORLD_BATCH = 32
 
@@ -36,9 +37,10 @@ def gpus_per_process(step, gpus: int) -> int:
     return 2 if step.stage.startswith("07") and gpus >= 2 * step.nproc else 1
 
 
-@pytest.mark.parametrize("gpus", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("gpus", [0, 1, 2, 3, 4, 6, 8])
 def test_every_run_computes_the_same_global_batch_on_the_gpus_there_are(gpus):
-    world = gpus if gpus >= 2 else 2
+    world = tour_world(gpus)
+    assert 4096 % (world * WORLD_BATCH) == 0, "the sampler would pad the last step: not stage 01's training"
     steps = plan(world, WORLD_BATCH, dtype="float64", gpus=gpus)
     assert [s.stage[:2] for s in steps][:2] == ["01", "02"] and {s.stage[:2] for s in steps} >= set("01 03 07".split())
     for step in steps:
@@ -63,3 +65,14 @@ def test_two_gpus_per_process_for_07_where_there_are_enough():
     assert (seven[4].nproc, flag(seven[4], "--batch-size")) == (2, "64")  # 2 processes x 2 GPUs
     assert (seven[2].nproc, flag(seven[2], "--batch-size")) == (1, "64")
     assert seven[3].nproc == 3  # an odd count: one GPU per process, both halves on it
+
+
+def test_the_tour_takes_every_stages_learning_rate_and_seed():
+    """`tour.py --lr 0.1 --seed 3`: every run trains at that rate from that seed (the replay reads them back from
+    each run's summary), so the verdict can be checked at another learning rate without running stages by hand."""
+    args = parse_args(["--lr", "0.1", "--seed", "3"])
+    steps = plan(tour_world(0), WORLD_BATCH, lr=args.lr, seed=args.seed, gpus=0)
+    assert all((flag(s, "--lr"), flag(s, "--seed")) == ("0.1", "3") for s in steps), steps
+    assert all("--lr" not in s.args and "--seed" not in s.args for s in plan(2, WORLD_BATCH, gpus=0))
+    with pytest.raises(SystemExit):
+        parse_args(["--lr", "0"])

@@ -30,9 +30,10 @@ NOT_RUN = {  # the only reasons a command may be left out
     "is a full benchmark run (a minute or more): the quick run below it and tests/test_benchmarks.py run the script",
 }
 def test_every_code_block_says_whether_it_is_commands_or_output():
-    untagged = [b.id for b in BLOCKS if b.lang not in ("bash", "text", "python")]
-    assert not untagged, (f"tag these blocks ```bash (commands, run by this test), ```text (output) or ```python "
-                          f"(an excerpt of the train.py beside the README): {untagged}")
+    untagged = [b.id for b in BLOCKS if b.lang not in ("bash", "text", "python", "diff")]
+    assert not untagged, (f"tag these blocks ```bash (commands, run by this test), ```text (output), ```python "
+                          f"(an excerpt of the train.py beside the README) or ```diff (the stage's lesson against "
+                          f"the one it extends, written by tests/lesson_diffs.py and checked by test_repo): {untagged}")
     assert len(COMMANDS) >= 15, "the READMEs lost their commands?"
 
 
@@ -73,3 +74,5 @@ def test_readme_command_runs_as_written(block, request):
     assert not run.survivors, f"processes left running: {where}"
     if "expect" in block.marker:
         assert block.marker["expect"] in run.stdout, where
+    # Run in the order shown, every command trains: none resumes a snapshot that is already finished.
+    assert "nothing to train" not in run.stdout, where

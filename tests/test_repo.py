@@ -12,6 +12,7 @@ import textwrap
 import pytest
 
 from harness import RECIPES, ROOT, STAGES, load_stage
+from lesson_diffs import BLOCK, EXTENDS, diff
 
 # Pieces of the lesson every stage must carry word for word: the contract (data, model, evaluation), and from
 # stage 03 on the distributed pieces. The machinery after the boundary is checked whole (test_machinery_...).
@@ -80,6 +81,15 @@ def test_machinery_after_the_boundary_is_the_same_in_every_stage(script):
     assert machinery == split_at_boundary("01_single_gpu")[1], f"{script}: the machinery differs from stage 01's"
     defined_below = re.findall(r"^(?:def|class) (\w+)", machinery, re.M)
     assert not [name for name in defined_below if re.search(rf"^(?:def|class) {name}\b", lesson, re.M)]
+
+
+@pytest.mark.parametrize("stage", STAGES[1:])
+def test_each_stage_readme_shows_the_diff_of_its_lesson(stage):
+    """The README shows what changed from the stage it extends, as a diff of the two lessons; kept current here."""
+    assert stage in EXTENDS, f"{stage}: name the stage it extends in tests/lesson_diffs.py EXTENDS"
+    shown = BLOCK.search((ROOT / stage / "README.md").read_text())
+    assert shown, f"{stage}/README.md has no diff block: run python tests/lesson_diffs.py"
+    assert shown.group(1) == diff(stage), f"{stage}/README.md shows an old diff: run python tests/lesson_diffs.py"
 
 
 def test_docs_have_no_unfilled_placeholders():

@@ -109,6 +109,11 @@ def test_tp_ranks_given_different_samples_fail(runs, tmp_path):
     ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, [], 4, None),  # default: the processes of this node
     ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, [], 2, None),  # two nodes of two: a row per node
     ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}, [], 1, None),  # one process per node: data parallel only
+    # The commonest GPU node: 8 does not divide the 4 classes, so the default is the most that does: dp 2 x tp 4.
+    ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}, [], 4, None),
+    ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, [], 4, None),  # two such nodes: dp 4 x tp 4, rows inside nodes
+    ({"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "6"}, [], 2, None),
+    ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, ["--hidden", "6"], 2, None),  # 6 hidden units: tp 2 at most
     ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, ["--tp", "3"], None, "3 does not divide the world size 4"),
     ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, ["--tp", "4", "--hidden", "6"], None,
      "4 does not divide --hidden 6 and the 4 classes"),

@@ -1,0 +1,65 @@
+"""Each stage's README shows its train.py as a diff from the stage it extends, so a reader sees what changed
+without running `diff`. test_repo.py checks that every README's block is the diff of today's files;
+`python tests/lesson_diffs.py` writes them anew after a change to a stage.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# The stage each one extends: 08 builds on 06 (torchrun, snapshots), not on 07's split over two devices.
+EXTENDS = {"02_dataparallel": "01_single_gpu", "03_ddp_spawn": "02_dataparallel", "04_ddp_torchrun": "03_ddp_spawn",
+           "05_multinode": "04_ddp_torchrun", "06_checkpoint": "05_multinode", "07_model_parallel": "06_checkpoint",
+           "08_fsdp": "06_checkpoint", "09_tensor_parallel": "08_fsdp"}
+START, END = "<!-- diff from the stage it extends: written by tests/lesson_diffs.py -->", "<!-- /diff -->"
+BLOCK = re.compile(re.escape(START) + r"\n(.*?)\n" + re.escape(END), re.S)
+
+
+BOUNDARY = "# ═══ The lesson ends here"
+
+
+def lesson(stage: str) -> str:
+    return (ROOT / stage / "train.py").read_text().split(BOUNDARY)[0].rstrip() + "\n"
+
+
+def own_checks(stage: str) -> list[str]:
+    """What the stage adds below the boundary, after the machinery every stage shares ("# ─── This stage's own")."""
+    text = (ROOT / stage / "train.py").read_text().split(BOUNDARY)[1]
+    own = text.split("\n# ─── This stage's own", 1)[1] if "\n# ─── This stage's own" in text else ""
+    return re.findall(r"^(?:def|class) (\w+)", own, re.M)
+
+
+def diff(stage: str) -> str:
+    """The README's section: `diff -u` of the two lessons (the files above the boundary), one line of context."""
+    before = EXTENDS[stage]
+    lines = list(difflib.unified_diff(lesson(before).splitlines(), lesson(stage).splitlines(),
+                                      f"{before}/train.py", f"{stage}/train.py", n=1, lineterm=""))
+    added = sum(line.startswith("+") and not line.startswith("+++") for line in lines)
+    removed = sum(line.startswith("-") and not line.startswith("---") for line in lines)
+    checks = ", ".join(f"`{name}`" for name in own_checks(stage))
+    below = f"; below it, this stage's own checks: {checks}" if checks else ""
+    return (f"The lesson of `{stage}/train.py` against `{before}/train.py`, the stage it extends ({added} lines\n"
+            f"added, {removed} removed). Both files end with the same machinery after the line `The lesson ends\n"
+            f"here`{below}.\n\n```diff\n" + "\n".join(lines) + "\n```")
+
+
+def write(stage: str) -> bool:
+    """Put today's diff in the stage's README (after its first paragraph the first time); True if it changed."""
+    readme = ROOT / stage / "README.md"
+    text = readme.read_text()
+    section = f"{START}\n{diff(stage)}\n{END}"
+    if BLOCK.search(text):
+        new = BLOCK.sub(lambda _: section, text)
+    else:  # first time: the README's last section (its "What changed" section links to it)
+        new = f"{text.rstrip()}\n\n## The change, as a diff\n\n{section}\n"
+    readme.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    changed = [stage for stage in EXTENDS if write(stage)]
+    print(f"rewrote the diff in {', '.join(changed) or 'no README'}")
+    sys.exit(0)
