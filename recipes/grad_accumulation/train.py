@@ -13,11 +13,8 @@ and their bytes; `--sync-every-micro-batch` drops no_sync for comparison (same w
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
-import tempfile
 import time
 from contextlib import nullcontext
 from datetime import timedelta
@@ -74,14 +71,6 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, rank: int, world_size:
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
 
 
-def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int) -> dict:
-    """Weights and momentum after `epoch` epochs, on the CPU: tour.py replays each epoch from them."""
-    params = list(model.parameters())
-    return {"epoch": epoch, "params": [p.detach().cpu().clone() for p in params],
-            "momentum": [optimizer.state[p]["momentum_buffer"].cpu().clone() if p in optimizer.state else None
-                         for p in params]}
-
-
 class AllReduceCounter:
     """State of the communication hook below: what this rank has handed to all-reduce."""
 
@@ -112,7 +101,7 @@ class Trainer:
         self.micro_steps = 0  # forward/backward passes, K per optimizer step
         self.accumulate = accumulate
         self.sync_every_micro_batch = sync_every_micro_batch  # for comparison: all-reduce after every backward
-        self.trajectory: list[dict] = []  # state_of() at the start and after every epoch
+        self.trajectory: list[dict] = []  # for the tour's replay: state_of() at the start and after each epoch
 
     def _run_batch(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One optimizer step over K micro-batches; returns the sum of their losses."""
@@ -188,33 +177,6 @@ def replica_max_abs_diff(model: nn.Module) -> float:
     return max((g - gathered[0]).abs().max().item() for g in gathered)
 
 
-def write_summary(out: Path, summary: dict, model: nn.Module, trajectory: list[dict]) -> None:
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    torch.save(model.state_dict(), out / "model.pt")
-    torch.save(trajectory, out / "trajectory.pt")
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line naming the flag, exit 2 (no usage dump)
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
-        return value
-    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
-    return parse
-
-
-def ensure_writable(directory: Path) -> None:
-    """Create `directory` if needed and write a file there: mkdir alone succeeds on a read-only disk."""
-    directory.mkdir(parents=True, exist_ok=True)
-    tempfile.TemporaryFile(dir=directory).close()
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(prog=f"{STAGE}/train.py", description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=positive(int), default=20)
@@ -230,25 +192,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accumulate", type=positive(int), default=2, help="micro-batches of --batch-size per step")
     p.add_argument("--sync-every-micro-batch", action="store_true",
                    help="all-reduce after every micro-batch (no no_sync): same weights, K times the traffic")
-    args = p.parse_args(argv)
-    per_rank = math.ceil(N_TRAIN / int(os.environ.get("WORLD_SIZE", 1)))  # samples DistributedSampler gives a rank
-    if args.accumulate > 1 and per_rank % (args.accumulate * args.batch_size):
-        p.error(f"argument --accumulate: {args.accumulate} micro-batches of --batch-size {args.batch_size} do not "
-                f"divide the {per_rank} samples a rank trains on per epoch (the last step would be short); use an "
-                f"--accumulate and --batch-size whose product divides {per_rank}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("argument --device: cuda asked but no GPU is visible; use --device cpu (or auto)")
-    n_gpus = torch.cuda.device_count() if pick_device(args.device).type == "cuda" else 0
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes torchrun started on this node
-    if n_gpus and local_world_size > n_gpus:
-        p.error(f"torchrun --nproc_per_node: {local_world_size} processes but {n_gpus} GPU(s) visible; "
-                f"use --nproc_per_node={n_gpus} or fewer (or --device cpu)")
-    if args.out is not None:
-        try:  # fail now, not after training
-            ensure_writable(args.out)
-        except OSError as e:
-            p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
-    return args
+    return check_accumulate(p, check_args(p, p.parse_args(argv)))
 
 
 def pick_device(choice: str) -> torch.device:
@@ -301,31 +245,14 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
               f"{' (no no_sync)' if args.sync_every_micro_batch else ''} | {1e3 * seconds / trainer.steps:.2f} ms/step")
     if master_process and args.out is not None:
         global_batch = args.batch_size * args.accumulate * world_size
-        summary = {
-            "stage": STAGE, "world_size": world_size, "backend": dist.get_backend(), "device": device.type,
-            "global_batch": global_batch, "batch_size": args.batch_size, "epochs": args.epochs,
-            "lr": args.lr, "dtype": args.dtype, "seed": args.seed, "steps": trainer.steps, "losses": trainer.losses,
-            "eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_count": count,
-            "replica_max_abs_diff": max_diff, "seconds": seconds,
-            "samples_per_s": trainer.steps * global_batch / seconds,
-            "accumulate": args.accumulate, "sync_every_micro_batch": args.sync_every_micro_batch,
-            "micro_steps": trainer.micro_steps, "allreduces": counter.calls, "bytes_allreduced": counter.bytes,
-            "seconds_per_step": seconds / trainer.steps,
-        }
-        write_summary(args.out, summary, raw_model, trainer.trajectory)
+        save_run(args, trainer, raw_model, device, (loss_sum, correct, count), seconds, world_size, max_diff,
+                 global_batch=global_batch,
+                 samples_per_s=trainer.steps * global_batch / seconds,  # an optimizer step takes K loader batches
+                 accumulate=args.accumulate, sync_every_micro_batch=args.sync_every_micro_batch,
+                 micro_steps=trainer.micro_steps, allreduces=counter.calls, bytes_allreduced=counter.bytes,
+                 seconds_per_step=seconds / trainer.steps)
     if max_diff != 0:  # every rank computed the same max_diff, so all stop here together
         raise RuntimeError(f"replicas diverged (max |difference| {max_diff:.3g}): gradients were not synchronised")
-
-
-def explain_peer_failure(error: RuntimeError, timeout: float) -> str | None:
-    """One line for the two ways another rank's failure reaches this one; None for any other error."""
-    text = str(error).lower()
-    if "timed out" in text or "timeout" in text:
-        return (f"waited more than --timeout {timeout:g}s for another rank: it stalled, died or skipped a "
-                f"collective this rank called; raise --timeout only if a rank legitimately works alone that long")
-    if "connection closed by peer" in text or "connection reset by peer" in text:
-        return "another rank closed its connection (it died): its own error, or its launcher's, says why"
-    return None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -346,12 +273,142 @@ def main(argv: list[str] | None = None) -> None:
         # On success train() has returned and its DDP model is gone: destroying the group while a DDP
         # model still holds it can hang a gloo process at exit (pytorch/pytorch#75097).
         dist.destroy_process_group()
-    # Leave without Python's interpreter teardown: a gloo worker thread may still be releasing
-    # the last collective, which needs the GIL, and teardown aborts it ("terminate called
-    # without an active exception": 5 of 22 runs here; 0 of 60 with this exit). Nothing is left to clean up.
+    exit_without_teardown()  # skips Python's teardown, which a gloo thread can crash (below the line)
+
+
+# ═══ The lesson ends here ═══════════════════════════════════════════════════════════════════════════════════════
+# Below: what only the tour and the tests need, the same in every stage (tests/test_repo.py checks it); leave it out
+# of your own project. Flag values refused in one line (check_args), the run's files for --out (state_of, save_run),
+# one line on how another rank failed (explain_peer_failure), and a clean exit past a gloo bug.
+
+import json
+import math
+import socket
+import tempfile
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line naming the flag, exit 2 (no usage dump)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
+    return parse
+
+
+def ensure_writable(directory: Path) -> None:
+    """Create `directory` if needed and write a file there: mkdir alone succeeds on a read-only disk."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tempfile.TemporaryFile(dir=directory).close()
+
+
+def check_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Refuse now, in one line, what would otherwise fail later, on one rank only, or in a traceback."""
+    needs = (2, 6) if STAGE[:2] in ("08", "09") else (2, 0)  # when the APIs each stage uses became public
+    if torch.__version__ < needs:
+        p.error(f"torch {torch.__version__} is too old for {STAGE}: it needs {needs[0]}.{needs[1]} or newer "
+                f"(the tutorial is tested with 2.13); see 'Using another torch' in README.md")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("argument --device: cuda asked but no GPU is visible; use --device cpu (or auto)")
+    gpus = torch.cuda.device_count() if pick_device(args.device).type == "cuda" else 0
+    spawned = getattr(args, "world_size", None)  # stage 03 starts its processes itself
+    if gpus and spawned and spawned > gpus:
+        p.error(f"argument --world-size: {spawned} processes but {gpus} GPU(s) visible; "
+                f"use --world-size {gpus} or fewer (or --device cpu)")
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes torchrun started on this node
+    if gpus and local_world_size > gpus:
+        p.error(f"torchrun --nproc_per_node: {local_world_size} processes but {gpus} GPU(s) visible; "
+                f"use --nproc_per_node={gpus} or fewer (or --device cpu)")
+    if "world_size" in args and "MASTER_PORT" in os.environ:  # stage 03, with a port of yours: check it now
+        port = os.environ["MASTER_PORT"]
+        if not (port.isdigit() and 0 < int(port) < 65536):
+            p.error(f"MASTER_PORT={port} is not a port number; unset it (a free port is picked) or use 1-65535")
+        if not port_is_free(int(port)):
+            p.error(f"MASTER_PORT={port} is in use by another process; unset it (a free port is picked) "
+                    f"or choose another")
+    if args.out is not None:
+        try:  # fail now, not after training
+            ensure_writable(args.out)
+        except OSError as e:
+            p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
+    return args
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as rank 0's store does
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int) -> dict:
+    """Weights and momentum after `epoch` epochs, whole and on the CPU: tour.py replays each epoch from them."""
+    def whole(t: torch.Tensor) -> torch.Tensor:  # a DTensor (08, 09) is all-gathered: every rank calls this
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+    params = list(model.parameters())
+    return {"epoch": epoch, "params": [whole(p) for p in params],
+            "momentum": [whole(optimizer.state[p]["momentum_buffer"]) if p in optimizer.state else None
+                         for p in params]}
+
+
+def save_run(args: argparse.Namespace, trainer, model: nn.Module, device: torch.device, evaluation: tuple,
+             seconds: float, world_size: int = 1, max_diff: float = 0.0, **facts) -> None:
+    """--out: summary.json (the run in numbers), model.pt (the plain model) and trajectory.pt (for the replay)."""
+    loss_sum, correct, count = evaluation
+    global_batch = facts.pop("global_batch", args.batch_size * world_size)
+    epochs_here = len(trainer.trajectory) - 1  # trained by this run: a resumed one records from where it resumed
+    summary = {
+        "stage": STAGE, "world_size": world_size, "backend": dist.get_backend() if dist.is_initialized() else None,
+        "device": device.type, "global_batch": global_batch, "batch_size": args.batch_size, "epochs": args.epochs,
+        "lr": args.lr, "dtype": args.dtype, "seed": args.seed, "steps": trainer.steps, "losses": trainer.losses,
+        "eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_count": count,
+        "replica_max_abs_diff": max_diff, "seconds": seconds,
+        "samples_per_s": epochs_here * len(trainer.train_loader) * global_batch / seconds, **facts,
+    }
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    torch.save(model.state_dict(), args.out / "model.pt")
+    torch.save(trainer.trajectory, args.out / "trajectory.pt")
+
+
+def explain_peer_failure(error: RuntimeError, timeout: float) -> str | None:
+    """One line for the two ways another rank's failure reaches this one; None for any other error."""
+    text = str(error).lower()
+    if "timed out" in text or "timeout" in text:
+        return (f"waited more than --timeout {timeout:g}s for another rank: it stalled, died or skipped a "
+                f"collective this rank called; raise --timeout only if a rank legitimately works alone that long")
+    if "connection closed by peer" in text or "connection reset by peer" in text:
+        return "another rank closed its connection (it died): its own error, or its launcher's, says why"
+    return None
+
+
+def exit_without_teardown() -> None:
+    """Leave without Python's interpreter teardown: a gloo worker thread may still be releasing the last
+    collective, which needs the GIL, and teardown aborts it ("terminate called without an active exception":
+    5 of 22 runs here; 0 of 60 with this exit). Nothing is left to clean up."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+# ─── This recipe's own checks: --accumulate must split each rank's epoch into whole optimizer steps ───────────────
+
+
+def check_accumulate(p: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    per_rank = math.ceil(N_TRAIN / int(os.environ.get("WORLD_SIZE", 1)))  # samples DistributedSampler gives a rank
+    if args.accumulate > 1 and per_rank % (args.accumulate * args.batch_size):
+        p.error(f"argument --accumulate: {args.accumulate} micro-batches of --batch-size {args.batch_size} do not "
+                f"divide the {per_rank} samples a rank trains on per epoch (the last step would be short); use an "
+                f"--accumulate and --batch-size whose product divides {per_rank}")
+    return args
 
 
 if __name__ == "__main__":

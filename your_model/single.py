@@ -1,0 +1,87 @@
+"""Your training script on one device: the starting point of your_model/index.md.
+
+    python your_model/single.py --out runs/single
+"""
+import argparse
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def make_data(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    """Stand-in for your data: any map-style Dataset (one with __len__ and __getitem__) is used the same way."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4096 + 1001, 8, generator=g)
+    y = (x @ torch.randn(8, 4, generator=g)).argmax(dim=1)  # a rule the model can learn
+    return TensorDataset(x[:4096], y[:4096]), TensorDataset(x[4096:], y[4096:])
+
+
+class Net(nn.Module):
+    """Stand-in for your model: a stack of blocks, as most models are (FSDP shards it block by block)."""
+
+    def __init__(self, width: int = 64, depth: int = 2) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.ReLU(), nn.Linear(width, width)) for _ in range(depth))
+        self.out = nn.Sequential(nn.ReLU(), nn.Linear(width, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset, device: torch.device) -> tuple[int, int]:
+    """(number of correct answers, number of samples) on `dataset`."""
+    model.eval()
+    correct = 0
+    for x, y in DataLoader(dataset, batch_size=256):
+        correct += (model(x.to(device)).argmax(dim=1) == y.to(device)).sum().item()
+    model.train()
+    return correct, len(dataset)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--num-workers", type=int, default=0, help="processes that load batches (0: this one)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", type=Path, default=Path("runs/your_model"))
+    args = p.parse_args()
+    device = torch.device(args.device)
+
+    train_set, eval_set = make_data()
+    torch.manual_seed(0)
+    model = Net().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True,
+                        num_workers=args.num_workers, persistent_workers=args.num_workers > 0,
+                        pin_memory=device.type == "cuda")  # page-locked memory: faster copies to a GPU
+
+    for epoch in range(args.epochs):
+        total = torch.zeros((), device=device)
+        for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            total += loss.detach()
+        print(f"epoch {epoch + 1}: train loss {total.item() / len(loader):.4f}")
+
+    correct, count = evaluate(model, eval_set, device)
+    print(f"held-out accuracy {correct / count:.2%} ({count} samples)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), args.out / "model.pt")
+    print(f"saved {args.out / 'model.pt'}")
+
+
+if __name__ == "__main__":
+    main()
