@@ -96,6 +96,7 @@ def plan(world: int, batch: int, epochs: int | None = None, device: str = "auto"
     one = ("--device", "cuda" if gpus == 1 else device, "--dtype", dtype, *epochs_args)  # single-process runs
     common = ("--device", "cpu" if gpus == 1 else device, "--dtype", dtype, *epochs_args)  # multi-process runs
     tp = next(d for d in (4, 2, 1) if world % d == 0)  # stage 09's tensor-parallel degree
+    pp = 2 if world % 2 == 0 else 1  # stage 10's pipeline stages
     steps = [
         Step("01_single_gpu", "python", (*one, "--batch-size", str(world * batch)), label="python"),
         Step("02_dataparallel", "python", (*one, "--batch-size", str(world * batch)), label="python"),
@@ -122,6 +123,11 @@ def plan(world: int, batch: int, epochs: int | None = None, device: str = "auto"
         # too); the tp ranks of a row share their samples, so each row takes tp*b of them: the same W*b a step.
         Step("09_tensor_parallel", "torchrun", (*common, "--batch-size", str(tp * batch), "--tp", str(tp)),
              nproc=world, label=f"torchrun, dp {world // tp} x tp {tp}"),
+        # The layers split over pp processes (2: body | head, as in 07), 4 micro-batches; the stages of a pipeline
+        # share their samples, so each pipeline takes pp*b of them: the same W*b a step.
+        Step("10_pipeline_parallel", "torchrun", (*common, "--batch-size", str(pp * batch), "--pp", str(pp),
+                                                  "--microbatches", "4"),
+             nproc=world, label=f"torchrun, dp {world // pp} x pp {pp}"),
     ]
     return [s for s in steps if (ROOT / s.stage / "train.py").exists()]
 

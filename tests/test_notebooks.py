@@ -106,7 +106,8 @@ def jupyter_env(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_a_notebook_for_every_stage():
-    assert NOTEBOOKS == STAGES, "notebooks/ should hold one notebook per stage, named like its folder"
+    """One per stage, named like its folder; a notebook may also walk through something else (ddp_by_hand)."""
+    assert set(STAGES) <= set(NOTEBOOKS), f"no notebook for {sorted(set(STAGES) - set(NOTEBOOKS))}"
 
 
 def test_every_notebook_has_its_twin():

@@ -25,9 +25,10 @@ def processes(step) -> int:
 
 
 def global_batch(step) -> int:
-    """Samples per step: the processes' batches, except that 09's tp ranks of a row share theirs (dp = W / tp)."""
-    tp = int(flag(step, "--tp")) if "--tp" in step.args else 1
-    return processes(step) // tp * int(flag(step, "--batch-size"))
+    """Samples per step: the processes' batches, except that 09's tp ranks of a row share theirs (dp = W / tp), and
+    so do 10's pipeline stages (dp = W / pp)."""
+    shared = int(flag(step, "--tp")) if "--tp" in step.args else int(flag(step, "--pp")) if "--pp" in step.args else 1
+    return processes(step) // shared * int(flag(step, "--batch-size"))
 
 
 def gpus_per_process(step, gpus: int) -> int:

@@ -92,6 +92,30 @@ def test_each_stage_readme_shows_the_diff_of_its_lesson(stage):
     assert shown.group(1) == diff(stage), f"{stage}/README.md shows an old diff: run python tests/lesson_diffs.py"
 
 
+# Private torch names a script may use, each where torch has no public way to do it; any other is a failure.
+PRIVATE_ALLOWED = {
+    **{(stage, "torch.distributed.tensor._redistribute"):
+       "a logger's name, to quiet a warning about a correct two-step gather: a name, not an API"
+       for stage in ("09_tensor_parallel", "11_gpt")},
+    ("recipes/comm_hooks", "torch.utils._python_dispatch"):
+        "counts the bytes each hook hands to gloo; CommDebugMode counts calls, not their tensors' bytes",
+    ("recipes/comm_hooks", "torch.utils._pytree"): "walks the arguments of what the counter above sees",
+    ("recipes/compile", "torch._dynamo"): "the count of compiled graphs: how the recipe shows DDPOptimizer split it",
+    ("recipes/compile", "dist._DEFAULT_FIRST_BUCKET_BYTES"):
+        "DDPOptimizer reads its first bucket's size only from there (1 MiB), and refuses one above --bucket-cap-mb",
+}
+PRIVATE = re.compile(r"\b(?:torch|dist)(?:\.[A-Za-z]\w*)*\._[A-Za-z]\w*|\._type\(\)|\.unbox\(")
+
+
+@pytest.mark.parametrize("script", [*STAGES, *RECIPES, "10_pipeline_parallel/by_hand"])
+def test_scripts_use_public_torch_apis_where_torch_has_them(script):
+    path = ROOT / script / "train.py" if (ROOT / script / "train.py").exists() else ROOT / f"{script}.py"
+    used = {m.group(0) for m in PRIVATE.finditer(path.read_text())}
+    unexplained = [name for name in used if not any(s == script and name.startswith(prefix)
+                                                    for s, prefix in PRIVATE_ALLOWED)]
+    assert not unexplained, f"{script} uses {unexplained}: use the public API, or say in PRIVATE_ALLOWED why not"
+
+
 def test_docs_have_no_unfilled_placeholders():
     for doc in [ROOT / "README.md", *ROOT.glob("*/README.md")]:
         assert not re.search(r"\b(TOUR_OUTPUT|OUTPUT_\d\d|TODO|FIXME)\b", doc.read_text()), doc

@@ -1,0 +1,127 @@
+"""Stage 10 (pipeline parallelism): every schedule and mesh computes stage 01's training, the hand-written schedules
+are the library's to the bit, a loss scaled twice is caught, and bad settings are refused in one line.
+
+The tour's row (`runs["10"]`: dp 1 x pp 2, 1F1B, 4 micro-batches, 20 epochs) is the library's run; the rest launch
+by_hand.py at the same settings, dp 2 x pp 2, and a broken copy. Faults (a rank killed or stalled mid-step) are in
+tests/test_faults.py, with every other stage's.
+"""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import itertools
+import os
+from unittest import mock
+
+import pytest
+import torch
+
+from conftest import CONFIGS, readme_run
+from harness import ROOT, Run, check, launch, load_copy, load_stage, mutate, replay_error, tolerance, with_args
+
+STAGE = "10_pipeline_parallel"
+TOL = tolerance("float64")
+
+
+@pytest.fixture(scope="module")
+def by_hand(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    """by_hand.py at the tour's settings (dp 1 x pp 2, 4 micro-batches, 20 epochs), with each schedule."""
+    return {schedule: check(launch(with_args(CONFIGS["10"], "--schedule", schedule),
+                                   out=tmp_path_factory.mktemp(schedule), script=ROOT / STAGE / "by_hand.py"))
+            for schedule in ("gpipe", "1f1b")}
+
+
+def test_the_hand_written_schedules_are_the_librarys_to_the_bit(runs, by_hand):
+    """GPipe and 1F1B on send/recv end at the library's weights exactly: the same sums in the same order (each
+    micro-batch's gradient added in turn, divided by M once), whatever the order of forwards and backwards."""
+    library = runs["10"]
+    assert library.summary["schedule"] == "1f1b" and library.summary["pp"] == 2
+    for schedule, run in by_hand.items():
+        assert all(torch.equal(run.model[k], library.model[k]) for k in library.model), schedule
+        assert run.summary["losses"] == library.summary["losses"], schedule
+        assert replay_error(run.summary, run.trajectory) <= TOL
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe(by_hand):
+    """GPipe holds every micro-batch's activations until its backward; 1F1B at most pp - stage of them. The
+    timelines (the last step's, per rank) show each stage's order: stage 1, the last, alternates F and B in 1F1B."""
+    m = int(CONFIGS["10"].args[CONFIGS["10"].args.index("--microbatches") + 1])
+    assert by_hand["gpipe"].summary["peak_held"] == [m, m]
+    assert by_hand["1f1b"].summary["peak_held"] == [2, 1]
+    orders = {s: [[f"{kind}{mb}" for kind, mb, *_ in line] for line in run.summary["timelines"]]
+              for s, run in by_hand.items()}
+    assert orders["gpipe"][1] == [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]
+    assert orders["1f1b"][1] == [f"{k}{i}" for i in range(m) for k in "FB"]
+    assert orders["1f1b"][0] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
+    for line in by_hand["1f1b"].summary["timelines"]:  # measured: each interval ends after it starts, in order
+        assert all(start <= end for *_, start, end in line) and all(a[3] <= b[2] for a, b in itertools.pairwise(line))
+
+
+def test_two_pipelines_of_two_stages_compute_stage_01s_training(runs, tmp_path):
+    """dp 2 x pp 2: four processes, two pipelines on different samples, each stage's gradients averaged over the
+    two pipelines once per batch: stage 01's training at the same global batch (2 epochs)."""
+    step = with_args(CONFIGS["10"], "--batch-size", "32", "--microbatches", "2", "--epochs", "2", nproc=4)
+    run = check(launch(step, out=tmp_path, timeout=180))
+    assert (run.summary["dp"], run.summary["pp"], run.summary["global_batch"]) == (2, 2, 64)
+    assert replay_error(run.summary, run.trajectory) <= TOL
+    assert max(abs(a - b) for a, b in zip(run.summary["losses"], runs["01"].summary["losses"][:2], strict=True)) <= TOL
+
+
+def test_a_loss_scaled_twice_is_caught(tmp_path):
+    """The schedule scales each micro-batch's gradient by 1/M itself; a loss divided by M again trains with M times
+    smaller steps, and runs without an error. The replay catches it in one epoch."""
+    path = mutate(STAGE, "loss_fn=F.cross_entropy)", "loss_fn=lambda out, y: F.cross_entropy(out, y) / 4)",
+                  tmp_path / "src")
+    run = check(launch(with_args(CONFIGS["10"], "--epochs", "1"), out=tmp_path / "out", script=path))
+    assert replay_error(run.summary, run.trajectory) > 1e-3 > TOL
+
+
+@pytest.mark.parametrize("world,args,pp,refused", [
+    ("2", [], 2, None), ("1", [], 1, None), ("3", [], 3, None), ("4", [], 2, None), ("8", [], 2, None),
+    ("2", ["--pp", "3"], None, "--pp: 3 must divide the world size 2"),
+    ("4", ["--pp", "4"], None, "at most the model's 3 layers"),
+    ("2", ["--microbatches", "3"], None, "--microbatches: 3 does not divide --batch-size 64"),
+    ("3", ["--microbatches", "2"], None, "1f1b needs at least one micro-batch per stage (3)"),
+    ("3", ["--microbatches", "2", "--schedule", "gpipe"], 3, None),  # allowed: GPipe with fewer micro-batches
+])
+def test_the_pipeline_must_tile_the_processes_and_the_batch(world, args, pp, refused, capsys):
+    """--pp defaults to the most stages (up to the 3 layers) that divide the processes; what cannot run is refused in
+    one line, naming the flag and the fix, before any process group exists."""
+    for script, module in (("train.py", load_stage(STAGE)), ("by_hand.py", load_copy(ROOT / STAGE / "by_hand.py"))):
+        with mock.patch.dict(os.environ, {"WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world}):
+            if refused is None:
+                assert module.parse_args(args).pp == pp
+                continue
+            with pytest.raises(SystemExit) as exit_:
+                module.parse_args(args)
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"{STAGE}/{script}: error: argument --") and refused in err and "\n" not in err
+
+
+BUBBLE_QUICK = ("torchrun --standalone --nproc_per_node=2 benchmarks/pipeline_bubble.py --microbatches 1,4 --width 256 "
+                "--microbatch-size 32 --steps 1 --out runs/pipeline_bubble")
+
+
+@pytest.mark.readme_run(BUBBLE_QUICK)
+def test_the_bubble_benchmark_measures_both_clocks(readme_runs):
+    """The README's quick run of the benchmark: measured wall-clock rows for 2 stages, and on the schedule's own clock
+    the formula exactly, for p = 2, 3, 4 (the schedules' real order of forwards and backwards, played out)."""
+    run = readme_run(readme_runs, BUBBLE_QUICK)
+    rows = list(csv.DictReader(open(run.out.with_suffix(".csv"))))
+    wall = [r for r in rows if r["clock"] == "wall"]
+    assert {(r["schedule"], r["m"]) for r in wall} == {(s, m) for s in ("gpipe", "1f1b") for m in ("1", "4")}
+    assert all(0 < float(r["bubble"]) < 1 for r in wall)
+    slots = [r for r in rows if r["clock"] == "slots"]
+    assert {r["p"] for r in slots} == {"2", "3", "4"} and all(r["bubble"] == r["theory"] for r in slots)
+    assert all(r["peak_held"] == " ".join(str(int(r["p"]) - s) for s in range(int(r["p"])))
+               for r in slots if r["schedule"] == "1f1b")
+    assert run.out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_the_readme_shows_the_committed_bubble_measurements():
+    """The table in 10's README is made from benchmarks/pipeline_bubble.csv (the figure's run), not typed."""
+    spec = importlib.util.spec_from_file_location("pipeline_bubble", ROOT / "benchmarks" / "pipeline_bubble.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.readme_table(ROOT / "benchmarks" / "pipeline_bubble.csv") in (ROOT / STAGE / "README.md").read_text()
