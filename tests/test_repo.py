@@ -65,15 +65,16 @@ def test_stages_share_the_contract_word_for_word(name, since):
 def split_at_boundary(script: str) -> tuple[str, str]:
     """(the lesson, the machinery common to every stage: from the boundary to the stage's own section or the end,
     without the import lines that follow the boundary, which import what the lesson did not)."""
-    text = (ROOT / script / "train.py").read_text()
-    assert text.count(BOUNDARY) == 1, f"{script}/train.py: expected one line starting {BOUNDARY!r}"
+    path = ROOT / script / "train.py" if (ROOT / script / "train.py").exists() else ROOT / f"{script}.py"
+    text = path.read_text()
+    assert text.count(BOUNDARY) == 1, f"{path.relative_to(ROOT)}: expected one line starting {BOUNDARY!r}"
     lesson, rest = text.split(BOUNDARY)
     rest = rest.split("\n# ─── This ")[0].split('\nif __name__ == "__main__":')[0]
     common = "\n".join(line for line in rest.splitlines() if not line.startswith(("import ", "from ")))
     return lesson, re.sub(r"\n{3,}", "\n\n\n", common).strip()
 
 
-@pytest.mark.parametrize("script", [*STAGES, *RECIPES])
+@pytest.mark.parametrize("script", [*STAGES, *RECIPES, "10_pipeline_parallel/by_hand"])
 def test_machinery_after_the_boundary_is_the_same_in_every_stage(script):
     """A stage's top is the lesson; what only the tour and the tests need comes after one marked line, identical in
     every stage and recipe, so a reader can skip it and a diff of two stages shows the lessons' difference."""
