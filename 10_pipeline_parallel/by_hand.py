@@ -343,7 +343,7 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
     if master_process:
         print(f"held-out: loss {loss_sum / count:.4f} | accuracy {correct / count:.2%} ({count} samples)")
         print(f"assembled model: max |difference| from rank 0's = {max_diff:.3g} over {world_size} ranks")
-    timelines = gather_timelines(trainer.pipe, start)  # a collective: every rank calls it, not rank 0 alone
+    timelines = gather_timelines(trainer.pipe)  # a collective: every rank calls it, not rank 0 alone
     if master_process and args.out is not None:
         save_run(args, trainer, full, device, (loss_sum, correct, count), seconds, world_size, max_diff,
                  global_batch=args.batch_size * dp_size, dp=dp_size, pp=args.pp, microbatches=args.microbatches,
@@ -511,14 +511,16 @@ def whole_state_of(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: in
             "momentum": [t for piece in pieces for t in piece["momentum"]]}
 
 
-def gather_timelines(pipe: Pipe, since: float) -> dict:
-    """Every rank's timeline of the last step (seconds since `since`, the same clock on one machine) and the most
-    micro-batches whose activations it held at once: benchmarks/pipeline_bubble.py draws and measures them."""
-    mine = {"timeline": [(kind, m, start - since, end - since) for kind, m, start, end in pipe.timeline],
-            "peak_held": pipe.peak_held}
+def gather_timelines(pipe: Pipe) -> dict:
+    """Every rank's timeline of the last step and the most micro-batches whose activations it held at once:
+    benchmarks/pipeline_bubble.py draws and measures them. perf_counter is one clock for every process of a machine,
+    so the stamps are gathered raw, then given in seconds since the step's first compute on any rank."""
     every: list[dict] = [{} for _ in range(dist.get_world_size())]
-    dist.all_gather_object(every, mine)
-    return {"timelines": [e["timeline"] for e in every], "peak_held": [e["peak_held"] for e in every]}
+    dist.all_gather_object(every, {"timeline": pipe.timeline, "peak_held": pipe.peak_held})
+    since = min(start for e in every for _, _, start, _ in e["timeline"])
+    return {"timelines": [[(kind, m, start - since, end - since) for kind, m, start, end in e["timeline"]]
+                          for e in every],
+            "peak_held": [e["peak_held"] for e in every]}
 
 
 if __name__ == "__main__":

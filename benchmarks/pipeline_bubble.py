@@ -24,7 +24,6 @@ import csv
 import importlib.util
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -125,7 +124,6 @@ def wall_clock(hand, args: argparse.Namespace, schedule: str, m: int) -> dict:
     for _ in range(args.warmup + args.steps):
         pipe.timeline.clear()
         dist.barrier()  # every stage starts the step together
-        since = time.perf_counter()
         if schedule == "gpipe":
             hand.gpipe(pipe, xs, ys, [])
         else:
@@ -134,9 +132,10 @@ def wall_clock(hand, args: argparse.Namespace, schedule: str, m: int) -> dict:
             work.wait()
         pipe.sends.clear()
         mine.zero_grad(set_to_none=True)
-    line = [(kind, mb, start - since, end - since) for kind, mb, start, end in pipe.timeline]
-    every: list = [None] * stages
-    dist.all_gather_object(every, line)
+    every: list = [None] * stages  # raw perf_counter stamps: one clock for every process of this machine
+    dist.all_gather_object(every, pipe.timeline)
+    since = min(start for line in every for _, _, start, _ in line)
+    every = [[(kind, mb, start - since, end - since) for kind, mb, start, end in line] for line in every]
     return {"timelines": every, "bubble": bubble(every), "peak_held": pipe.peak_held}
 
 

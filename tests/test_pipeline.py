@@ -53,8 +53,13 @@ def test_1f1b_holds_fewer_activations_than_gpipe(by_hand):
     assert orders["gpipe"][1] == [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]
     assert orders["1f1b"][1] == [f"{k}{i}" for i in range(m) for k in "FB"]
     assert orders["1f1b"][0] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
-    for line in by_hand["1f1b"].summary["timelines"]:  # measured: each interval ends after it starts, in order
-        assert all(start <= end for *_, start, end in line) and all(a[3] <= b[2] for a, b in itertools.pairwise(line))
+    for run in by_hand.values():  # measured on one clock: in order on each stage, and each waits for its neighbour
+        lines = [{f"{kind}{mb}": (start, end) for kind, mb, start, end in line} for line in run.summary["timelines"]]
+        for line in run.summary["timelines"]:
+            assert all(s <= e for *_, s, e in line) and all(a[3] <= b[2] for a, b in itertools.pairwise(line))
+        for mb in range(m):
+            assert lines[1][f"F{mb}"][0] >= lines[0][f"F{mb}"][1], f"stage 1 computed F{mb} before stage 0 sent it"
+            assert lines[0][f"B{mb}"][0] >= lines[1][f"B{mb}"][1], f"stage 0 computed B{mb} before stage 1 sent it"
 
 
 def test_two_pipelines_of_two_stages_compute_stage_01s_training(runs, tmp_path):
