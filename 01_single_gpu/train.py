@@ -112,6 +112,7 @@ def evaluate(model: nn.Module, dataset: Dataset, device: torch.device) -> tuple[
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    # ArgumentParser and positive() are defined below the line: a bad value is one line of error and exit 2.
     p = ArgumentParser(prog=f"{STAGE}/train.py", description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=positive(int), default=20)
     p.add_argument("--batch-size", type=positive(int), default=64, help="samples per step per process")
