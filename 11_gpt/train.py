@@ -1,0 +1,887 @@
+"""Stage 11: the same techniques on a real model and real text: a small GPT learns Shakespeare, character by character.
+
+Every stage so far trained a 4,996-parameter MLP on synthetic data. This one trains a decoder-only transformer,
+written out below (embeddings, causal self-attention, MLP, pre-norm blocks), on 1.1 MB of Shakespeare, one
+character per token, with what the stages taught, each a flag: DDP or FSDP2 (--parallel), tensor parallelism
+(--tp), gradient accumulation (--accumulate), bf16 autocast (--amp), torch.compile (--compile), and sharded
+checkpoints that resume exactly on any number of ranks (--snapshot). It reports how fast (tokens/s), how much
+memory, and how well: the held-out loss beside three baselines computed from the text, and a sample of text.
+
+    python 11_gpt/train.py --max-steps 100                       # one process, 100 steps
+    torchrun --standalone --nproc_per_node=2 11_gpt/train.py     # the default run: about 2 minutes on 2 CPU cores
+    torchrun --standalone --nproc_per_node=2 11_gpt/train.py --parallel fsdp --tp 2 --max-steps 20
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+from contextlib import nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+if torch.__version__ < (2, 6):  # fully_shard (FSDP2) is public from torch 2.6; older ones fail on the imports below
+    print(f"11_gpt/train.py: error: needs torch 2.6 or newer, not {torch.__version__}", file=sys.stderr)
+    sys.exit(2)
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+STAGE = "11_gpt"
+DATA = Path(__file__).resolve().parent / "data" / "input.txt"  # tiny Shakespeare, in the repository: data/README.md
+HELD_OUT = 0.1  # the last tenth of the text is never trained on: the held-out loss is measured there
+DTYPES = {"float32": torch.float32, "float64": torch.float64}  # --dtype
+
+
+# ─── The data: characters of a real text ───────────────────────────────────────────────────────────────────────────
+
+class Corpus(NamedTuple):
+    chars: str  # the vocabulary: every character the text uses, sorted; a token is an index into it
+    train: torch.Tensor  # the first 90% of the text as token ids
+    held_out: torch.Tensor  # the last 10%
+
+
+def load_corpus(path: Path) -> Corpus:
+    text = path.read_text(encoding="utf-8")
+    chars = "".join(sorted(set(text)))  # of the whole text, so that every held-out character has an id
+    index = {c: i for i, c in enumerate(chars)}
+    tokens = torch.tensor([index[c] for c in text], dtype=torch.long)
+    split = int(len(tokens) * (1 - HELD_OUT))
+    return Corpus(chars, tokens[:split], tokens[split:])
+
+
+def baselines(corpus: Corpus) -> dict[str, float]:
+    """The held-out loss (nats per character) of three models that need no training: "it learned" is a comparison.
+
+    uniform: every character equally likely (ln of the vocabulary's size). unigram: each character as frequent as
+    in the training text. bigram: the next character given this one, counted in the training text. Counts start at
+    1 (add-one smoothing), so no held-out character has probability 0. They predict what the model predicts: every
+    held-out character but the first.
+    """
+    v, train, held = len(corpus.chars), corpus.train, corpus.held_out
+    unigram = torch.bincount(train, minlength=v).double() + 1
+    pairs = (torch.bincount(train[:-1] * v + train[1:], minlength=v * v).double() + 1).view(v, v)
+    return {"uniform": math.log(v),
+            "unigram": -(unigram / unigram.sum()).log()[held[1:]].mean().item(),
+            "bigram": -(pairs / pairs.sum(1, keepdim=True)).log()[held[:-1], held[1:]].mean().item()}
+
+
+def batch_of_windows(tokens: torch.Tensor, context: int, rows: int, seed: int, step: int):
+    """Step `step`'s batch: `rows` windows of `context` characters at random places, and the same shifted by one.
+
+    One order for every layout: drawn from a generator seeded with seed + step, the same on every rank, so the
+    global batch of a step does not depend on how many processes share it (each takes its rows, in Trainer).
+    """
+    g = torch.Generator().manual_seed(seed + step)
+    starts = torch.randint(len(tokens) - context, (rows, 1), generator=g)
+    positions = starts + torch.arange(context)
+    return tokens[positions], tokens[positions + 1]  # the input, and the next character at every position
+
+
+# ─── The model: a decoder-only transformer ─────────────────────────────────────────────────────────────────────────
+
+class Config(NamedTuple):
+    vocab: int  # characters in the vocabulary (65 in tiny Shakespeare)
+    context: int = 128  # the longest sequence the model reads: its positions
+    layers: int = 4  # transformer blocks
+    heads: int = 4  # attention heads per block
+    width: int = 128  # the residual stream's size; each head gets width // heads of it
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head self-attention: each position mixes in what the positions before it hold."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(cfg.width, cfg.width) for _ in range(3))  # heads side by side
+        self.proj = nn.Linear(cfg.width, cfg.width)
+        self.head_size = cfg.width // cfg.heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # [b, t, heads * head_size] -> [b, heads, t, head_size]. "-1 heads": under --tp this rank holds only its
+        # heads' rows of q, k and v (see TP_PLAN), so the same line computes its share of the heads.
+        q, k, v = (f(x).view(b, t, -1, self.head_size).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # position i sees positions 0..i only
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.fc, self.proj = nn.Linear(cfg.width, 4 * cfg.width), nn.Linear(4 * cfg.width, cfg.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm: each part reads a normalised copy of the residual stream and adds its result back to it."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(cfg.width), SelfAttention(cfg)
+        self.norm2, self.mlp = nn.LayerNorm(cfg.width), MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tokens = nn.Embedding(cfg.vocab, cfg.width)  # what each character is
+        self.positions = nn.Embedding(cfg.context, cfg.width)  # where it is
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = nn.LayerNorm(cfg.width)
+        self.head = nn.Linear(cfg.width, cfg.vocab, bias=False)  # a score for every possible next character
+        for name, p in self.named_parameters():  # GPT-2's initialisation
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 2:  # the blocks' last layers add to the residual stream: smaller, so that it stays ~1
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.layers) if name.endswith("proj.weight") else 0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids [b, t] -> logits [b, t, vocab]: at every position, the scores for the character after it."""
+        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def load_train_objs(args: argparse.Namespace, corpus: Corpus, device: torch.device, mesh: DeviceMesh):
+    cfg = Config(len(corpus.chars), args.context, args.layers, args.heads, args.width)
+    torch.manual_seed(args.seed)  # every rank draws the same initial weights (in float32, then cast)
+    model = parallelize(GPT(cfg).to(device, DTYPES[args.dtype]), mesh, args)
+    # AdamW, as transformers are trained; created after parallelize, so that it holds this rank's pieces.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1)
+    return cfg, model, optimizer
+
+
+# ─── What the stages taught: who holds and computes what ───────────────────────────────────────────────────────────
+
+def make_mesh(device: torch.device, tp: int) -> DeviceMesh:
+    """Stage 09's grid: dp rows of tp ranks; rank r in row r // tp (consecutive ranks, so a row lies in a node)."""
+    return init_device_mesh(device.type, (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+# Stage 09's pairing, on a transformer block: q, k and v split column-wise (each tp rank computes whole heads, its
+# share of them, without talking), the attention's output projection row-wise (partial sums, all-reduced over tp);
+# the MLP's first layer column-wise, its second row-wise. Per block, two all-reduces forward and four backward (the
+# gradient of each column-wise layer's input is a sum over tp: q, k, v and the MLP's first layer).
+# Embeddings, norms and the head stay whole on every tp rank (they are small here); FSDP2 shards them over dp.
+TP_PLAN = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+           "attn.proj": RowwiseParallel(), "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
+
+
+def parallelize(model: GPT, mesh: DeviceMesh, args: argparse.Namespace) -> nn.Module:
+    """The model as this rank trains it: split over tp (--tp), compiled (--compile), then DDP or FSDP2 over dp."""
+    if args.tp > 1:  # every rank built the same weights (the same seed): each keeps its slice, no broadcast
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], TP_PLAN)
+        # Gathering a weight split over tp and sharded over dp takes two all-gathers: torch warns, on every rank.
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    if args.compile:  # each block compiled on its own, in place (the parameters keep their names)
+        for block in model.blocks:
+            block.compile()
+    if args.parallel == "fsdp":  # stage 08: each block a unit, gathered whole only while it computes
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        return fully_shard(model, mesh=mesh["dp"])  # the rest (embeddings, final norm, head): the root unit
+    # Stages 03-06: a replica per rank; the constructor broadcasts rank 0's weights, backward averages gradients.
+    return DDP(model, device_ids=[model.head.weight.device] if model.head.weight.is_cuda else None,
+               process_group=mesh.get_group("dp"))
+
+
+def full_model(model: nn.Module, cfg: Config) -> GPT:
+    """The whole model, assembled from every rank's pieces, on every rank: a plain GPT again."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # gathers (no "module.")
+    with torch.device("meta"):  # no memory and no random draws: the weights come from `state`
+        full = GPT(cfg)
+    full.load_state_dict(state, assign=True)
+    return full
+
+
+# ─── Training ──────────────────────────────────────────────────────────────────────────────────────────────────────
+
+PROGRESS = "progress.json"  # beside the shards: steps done, losses, and the settings the checkpoint was made with
+CHECKPOINT = re.compile(r"step_(\d{6,})")  # a complete checkpoint; "step_NNNNNN.tmp" is one being written
+
+
+def checkpoints(directory: Path) -> list[Path]:
+    """The complete checkpoints in `directory`, oldest first."""
+    found = [p for p in directory.iterdir() if CHECKPOINT.fullmatch(p.name)] if directory.is_dir() else []
+    return sorted(found, key=lambda p: int(CHECKPOINT.fullmatch(p.name).group(1)))
+
+
+class Trainer:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, corpus: Corpus, cfg: Config,
+                 args: argparse.Namespace, mesh: DeviceMesh, device: torch.device, snapshot: dict | None) -> None:
+        self.model, self.optimizer, self.corpus, self.cfg, self.args = model, optimizer, corpus, cfg, args
+        self.mesh, self.device = mesh, device
+        self.dp_rank, self.dp = mesh.get_local_rank("dp"), mesh["dp"].size()
+        self.master_process = dist.get_rank() == 0  # rank 0 alone logs and writes the progress file
+        self.global_batch = self.dp * args.accumulate * args.batch_size  # windows per optimizer step
+        self.steps, self.losses, self.curve = 0, [], []  # per step; per log line [step, train, held-out, tokens/s]
+        self.train_seconds = 0.0  # in this run's training steps (not the evaluations, not the checkpoints)
+        self.trajectory: list[dict] = []  # --out: the state at the start, at each checkpoint and at the end
+        # A fixed handful of held-out windows, scored every --eval-every steps for the curve (the same on every rank).
+        starts = torch.linspace(0, len(corpus.held_out) - cfg.context - 1, 16).long()[:, None]
+        positions = starts + torch.arange(cfg.context)
+        self.curve_windows = (corpus.held_out[positions], corpus.held_out[positions + 1])
+        if snapshot is not None:
+            self._load_snapshot(snapshot)
+        self.resumed_at = self.steps
+
+    def _load_snapshot(self, snapshot: dict) -> None:
+        # Stage 08's: dcp.load fills this run's pieces (on any number of ranks, any layout) from whichever files hold
+        # them. No random state to restore: the data of step s depends on --seed and s alone.
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)  # also makes AdamW's (zero) state
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=snapshot["path"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.steps, self.losses, self.curve = snapshot["steps"], list(snapshot["losses"]), list(snapshot["curve"])
+
+    def _save_snapshot(self) -> None:
+        # Every rank writes its own pieces (dcp.save), rank 0 the metadata; then an atomic rename, as in stage 08.
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        final = self.args.snapshot / f"step_{self.steps:06d}"
+        tmp = final.with_name(final.name + ".tmp")
+        try:
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
+        except (Exception, dcp.CheckpointException) as e:  # raised on every rank if any rank failed to write
+            if self.master_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise failed_save(e, tmp, self.args.snapshot) from None
+        if self.master_process:
+            progress = {"steps": self.steps, "losses": self.losses, "curve": self.curve, "seed": self.args.seed,
+                        "global_batch": self.global_batch, "dtype": self.args.dtype, "model": self.cfg._asdict(),
+                        "world_size": dist.get_world_size()}
+            (tmp / PROGRESS).write_text(json.dumps(progress) + "\n")
+            os.replace(tmp, final)  # a directory named step_N is complete; only then is the previous one removed
+            for old in checkpoints(self.args.snapshot)[:-1]:
+                shutil.rmtree(old)
+
+    def syncing(self, last: bool):
+        """--accumulate: average the gradients over the dp ranks once per step, in the last micro-batch's backward."""
+        if isinstance(self.model, DDP):
+            return nullcontext() if last else self.model.no_sync()  # inside no_sync, backward only adds to .grad
+        self.model.set_requires_gradient_sync(last)  # FSDP2: no reduce-scatter until the last micro-batch
+        return nullcontext()
+
+    def _run_step(self) -> torch.Tensor:
+        x, y = batch_of_windows(self.corpus.train, self.cfg.context, self.global_batch, self.args.seed, self.steps)
+        # This dp rank's rows: r, r + dp, ... (the tp ranks of a row take the same ones: they compute one forward
+        # together), cut into --accumulate micro-batches. W ranks of batch b see the windows one process of W*b sees.
+        mine = slice(self.dp_rank, None, self.dp)
+        micro = list(zip(x[mine].split(self.args.batch_size), y[mine].split(self.args.batch_size), strict=True))
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        for i, (xb, yb) in enumerate(micro):
+            with self.syncing(last=i == len(micro) - 1):
+                # --amp bf16: the forward's matmuls in bfloat16, the weights and the loss in float32 (recipes/).
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.amp == "bf16"):
+                    logits = self.model(xb.to(self.device))
+                    loss = F.cross_entropy(logits.flatten(0, 1), yb.to(self.device).flatten())
+                # Sync point (the last micro-batch): DDP all-reduces the gradients; FSDP2 reduce-scatters each unit's.
+                (loss / len(micro)).backward()
+            total += loss.detach()
+        self.optimizer.step()  # on this rank's pieces: no communication
+        self.optimizer.zero_grad(set_to_none=True)
+        return total / len(micro)
+
+    @torch.no_grad()
+    def estimate_held_out(self) -> float:
+        """The loss on the fixed held-out windows (16 x --context characters): a point of the curve."""
+        self.model.eval()
+        x, y = (t.to(self.device) for t in self.curve_windows)
+        loss = F.cross_entropy(self.model(x).flatten(0, 1).double(), y.flatten()).item()  # every rank: same input
+        if not isinstance(self.model, DDP):  # FSDP2 keeps the root unit gathered after a forward, for the backward
+            self.model.reshard()  # that follows in training; none follows here
+        self.model.train()
+        return loss
+
+    def train(self, max_steps: int) -> None:
+        self.record()
+        if self.steps >= max_steps and self.master_process:  # a finished checkpoint: say so, do not look stuck
+            print(f"nothing to train: the checkpoint is at step {self.steps} and --max-steps is {max_steps}; "
+                  f"pass --max-steps {self.steps + 100} to train 100 more, or another --snapshot to start afresh")
+        since, seconds, tokens_per_step = [], 0.0, self.global_batch * self.cfg.context
+        while self.steps < max_steps:
+            start = time.perf_counter()
+            since.append(self._run_step())
+            self.steps += 1
+            seconds += time.perf_counter() - start
+            if self.steps % self.args.eval_every == 0 or self.steps == max_steps:
+                # The mean over the dp rows is the loss of the global batch (the tp ranks of a row hold the same).
+                losses = torch.stack(since)
+                dist.all_reduce(losses, group=self.mesh.get_group("dp"))
+                self.losses += (losses / self.dp).tolist()
+                speed = len(since) * tokens_per_step / seconds
+                self.curve.append([self.steps, sum(self.losses[-len(since):]) / len(since), self.estimate_held_out(),
+                                   speed])
+                if self.master_process:
+                    print(f"step {self.steps:>5}/{max_steps} | train loss {self.curve[-1][1]:.4f} | held-out "
+                          f"{self.curve[-1][2]:.4f} | {speed:,.0f} tokens/s")
+                self.train_seconds += seconds
+                since, seconds = [], 0.0
+            if self.args.snapshot is not None and self.steps % self.args.save_every == 0:
+                self._save_snapshot()
+                dist.barrier()  # sync point: past it, the checkpoint of this step is complete on every rank
+                self.record()
+        if self.trajectory and self.trajectory[-1]["step"] != self.steps:
+            self.record()
+
+    def record(self) -> None:
+        """--out: keep the whole state (gathered: every rank calls this), for the tests to compare runs step by step."""
+        if self.args.out is not None:
+            self.trajectory.append(state_at(self.model, self.optimizer, self.steps))
+
+
+@torch.no_grad()
+def held_out_loss(model: GPT, tokens: torch.Tensor, device: torch.device) -> tuple[float, int]:
+    """Sum of the losses on every held-out character but the first, in windows of the model's context, split
+    over the ranks (rank r scores windows r, r+W, ...: each counted once), then added up by one all_reduce."""
+    model.eval()
+    context, rank, world_size = model.cfg.context, dist.get_rank(), dist.get_world_size()
+    starts = list(range(0, len(tokens) - 1, context))[rank::world_size]
+    loss_sum, count = 0.0, 0
+    for i in range(0, len(starts), 32):
+        windows = [tokens[s:s + context + 1] for s in starts[i:i + 32]]
+        for n in sorted({len(w) for w in windows}):  # the text's last window is shorter: a batch of its own
+            batch = torch.stack([w for w in windows if len(w) == n]).to(device)
+            logits = model(batch[:, :-1]).double()
+            loss_sum += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
+            count += batch[:, 1:].numel()
+    totals = torch.tensor([loss_sum, count], dtype=torch.float64, device=device)
+    dist.all_reduce(totals)
+    return totals[0].item(), int(totals[1].item())
+
+
+@torch.no_grad()
+def sample(model: GPT, chars: str, length: int, seed: int, device: torch.device, temperature: float = 0.8) -> str:
+    """`length` characters, each drawn from the model's prediction given those before it (its last --context)."""
+    model.eval()
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.tensor([[chars.find("\n") if "\n" in chars else 0]], device=device)  # start as a line starts
+    for _ in range(length):
+        logits = model(idx[:, -model.cfg.context:])[0, -1].double().cpu()
+        next_char = torch.multinomial((logits / temperature).softmax(-1), 1, generator=g)
+        idx = torch.cat([idx, next_char.to(device)[None]], dim=1)
+    return "".join(chars[i] for i in idx[0, 1:].tolist())
+
+
+def replica_max_abs_diff(model: nn.Module) -> float:
+    """Gather every rank's parameters; return the largest difference from rank 0's."""
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return max((g - gathered[0]).abs().max().item() for g in gathered)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = ArgumentParser(prog=f"{STAGE}/train.py", description=__doc__.splitlines()[0])
+    p.add_argument("--max-steps", type=positive(int), default=600,
+                   help="optimizer steps in all (the length of training: a text has no epochs here; a resumed "
+                        "run goes on to it)")
+    p.add_argument("--batch-size", type=positive(int), default=16, help="windows per micro-batch per dp rank")
+    p.add_argument("--lr", type=positive(float), default=2e-3, help="AdamW's learning rate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                   help="float64 rounds 5e8 times finer than float32: for checking results, not for speed")
+    p.add_argument("--out", type=Path, help="write summary.json, model.pt and trajectory.pt here")
+    p.add_argument("--timeout", type=positive(float), default=60.0,
+                   help="seconds a collective waits for the other ranks before the job fails")
+    p.add_argument("--snapshot", type=Path,
+                   help="checkpoint directory: resumed from if it holds one, written during training")
+    p.add_argument("--save-every", type=positive(int), default=100, help="steps between checkpoints")
+    p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
+                   help="over the dp ranks: a replica each (DDP) or a shard each (FSDP2, every block a unit)")
+    p.add_argument("--tp", type=positive(int), default=1,
+                   help="tensor-parallel degree: processes that split every block (with --parallel fsdp)")
+    p.add_argument("--accumulate", type=positive(int), default=1, help="micro-batches of --batch-size per step")
+    p.add_argument("--amp", choices=["bf16"], help="autocast the forward to bfloat16 (the weights stay float32)")
+    p.add_argument("--compile", action="store_true", help="torch.compile every block")
+    p.add_argument("--data", type=Path, default=DATA, help="a UTF-8 text to learn (default: tiny Shakespeare)")
+    p.add_argument("--context", type=positive(int), default=128, help="characters the model reads at once")
+    p.add_argument("--layers", type=positive(int), default=4, help="transformer blocks")
+    p.add_argument("--heads", type=positive(int), default=4, help="attention heads per block")
+    p.add_argument("--width", type=positive(int), default=128, help="size of the residual stream")
+    p.add_argument("--eval-every", type=positive(int), default=50, help="steps between log lines (and curve points)")
+    p.add_argument("--sample", type=int, default=500, help="characters to generate at the end (0: none)")
+    return check_gpt_args(p, check_checkpoint_arg(p, check_args(p, p.parse_args(argv))))
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(choice)
+
+
+def restart_safe_store(timeout: float) -> dist.Store | None:
+    """torchrun's store, with a key prefix of its own for each restart of the group.
+
+    torchrun keeps one store across restarts, while torch assumes a fresh one per attempt
+    (pytorch/pytorch#135712): restarted workers can then read the previous attempt's addresses
+    and fail ("Gloo connectFullMesh failed ... Connection refused") or hang.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None  # not under torchrun's agent: init_process_group makes its own store
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=timeout))
+    return dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+
+
+def ddp_setup(ddp: bool, device: torch.device, timeout: float) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before any CUDA work, or every rank also allocates on GPU 0
+    # (torchrun already set OMP_NUM_THREADS=1, so the ranks do not oversubscribe the CPU cores.)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if ddp:  # sync point: init reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from torchrun's env
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout), store=restart_safe_store(timeout),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    else:  # plain `python train.py`: a group of one, kept in memory, so the rest runs unchanged
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=timeout))
+
+
+def train(rank: int, world_size: int, device: torch.device, args: argparse.Namespace, mesh: DeviceMesh,
+          snapshot: dict | None) -> None:
+    master_process = rank == 0
+    corpus = load_corpus(args.data)
+    cfg, model, optimizer = load_train_objs(args, corpus, device, mesh)
+    trainer = Trainer(model, optimizer, corpus, cfg, args, mesh, device, snapshot)
+    dp = mesh["dp"].size()
+    floor = baselines(corpus)
+    if master_process:
+        fallback = " (no GPU visible: using the CPU)" if args.device == "auto" and device.type == "cpu" else ""
+        options = ", ".join(o for o in [f"--accumulate {args.accumulate}" if args.accumulate > 1 else "",
+                                        f"--amp {args.amp}" if args.amp else "", "--compile" if args.compile else ""]
+                            if o)
+        print(f"[{STAGE}] world size {world_size} = dp {dp} x tp {args.tp} | {args.parallel} | backend "
+              f"{dist.get_backend()} | device {device.type}{fallback} | {args.dtype}" + (f" | {options}" if options
+                                                                                        else ""))
+        print(f"data: {args.data.name}, {len(corpus.train) + len(corpus.held_out):,} characters ({len(corpus.chars)} "
+              f"distinct): {len(corpus.train):,} to train on, the last {len(corpus.held_out):,} held out")
+        print(f"model: {cfg.layers} blocks, {cfg.heads} heads, width {cfg.width}, context {cfg.context}: "
+              f"{sum(p.numel() for p in model.parameters()):,} parameters | batch {args.batch_size} x "
+              f"{args.accumulate} windows per dp rank, {trainer.global_batch} global = "
+              f"{trainer.global_batch * cfg.context:,} tokens a step | {args.max_steps} steps")
+        print("baselines, held-out loss in nats per character: " + " | ".join(f"{k} {v:.3f}" for k, v in floor.items()))
+        if trainer.steps:
+            ranks = snapshot["world_size"]
+            print(f"resumed from {snapshot['path']} (written by {ranks} rank{'s' if ranks > 1 else ''}) at step "
+                  f"{trainer.steps}")
+    start = time.perf_counter()
+    trainer.train(args.max_steps)
+    seconds = time.perf_counter() - start
+
+    full = full_model(model, cfg)  # on every rank: the plain GPT a DDP replica would be
+    loss_sum, count = held_out_loss(full, corpus.held_out, device)
+    max_diff = replica_max_abs_diff(full)  # every rank assembled the same model (DDP: the replicas agree)
+    memory = peak_memory(model, optimizer, device)  # every rank's, gathered (below the line)
+    if master_process:
+        loss = loss_sum / count
+        print(f"held-out loss {loss:.4f} nats/char over {count:,} characters | bigram {floor['bigram']:.3f}, "
+              f"unigram {floor['unigram']:.3f}, uniform {floor['uniform']:.3f}")
+        speed = report_speed(trainer, cfg, device, world_size)
+        print(f"peak memory per rank ({memory['how']}): " + " | ".join(
+            f"rank {r} {m / 2**20:,.0f} MiB" for r, m in enumerate(memory["peak"])) + " | model state per rank "
+            "(weights, gradients, AdamW's moments): " + " | ".join(f"{b / 2**20:.2f} MiB" for b in memory["state"]))
+        text = sample(full, corpus.chars, args.sample, args.seed, device) if args.sample else ""
+        if text:
+            print(f"sample ({args.sample} characters, temperature 0.8):\n{text}")
+        if args.out is not None:
+            write_run(args, trainer, full, floor, (loss, count), seconds, speed, memory, max_diff, text)
+    if max_diff != 0:  # every rank computed the same max_diff, so all stop here together
+        raise RuntimeError(f"the ranks assembled different models (max |difference| {max_diff:.3g})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    ddp = int(os.environ.get("RANK", -1)) != -1  # started by torchrun?
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device("cuda", local_rank) if pick_device(args.device).type == "cuda" else torch.device("cpu")
+    try:  # check the checkpoint before joining the group: a bad one is one line and exit 2 on every rank
+        snapshot = None if args.snapshot is None else load_snapshot(args, world_size // args.tp)
+    except SnapshotError as e:
+        print(f"{STAGE}/train.py: error: argument --snapshot: {e}", file=sys.stderr)
+        sys.exit(2)
+    if rank == 0 and args.snapshot is not None:  # a save cut short by a crash: never loaded, so never needed
+        for stale in args.snapshot.glob("step_*.tmp"):  # (no other rank writes before the group is joined)
+            shutil.rmtree(stale)
+    ddp_setup(ddp, device, args.timeout)
+    try:
+        train(rank, world_size, device, args, make_mesh(device, args.tp), snapshot)
+    except RuntimeError as e:  # gloo raises a peer's death or stall here, as a timeout or a closed connection
+        if (hint := explain_peer_failure(e, args.timeout)) is not None:
+            print(f"[{STAGE}] rank {rank}: {hint}", file=sys.stderr)
+        raise
+    finally:
+        # On success train() has returned and its model is gone: destroying the group while a DDP
+        # model still holds it can hang a gloo process at exit (pytorch/pytorch#75097).
+        dist.destroy_process_group()
+    exit_without_teardown()  # skips Python's teardown, which a gloo thread can crash (below the line)
+
+
+# ═══ The lesson ends here ═══════════════════════════════════════════════════════════════════════════════════════
+# Below: what only the tour and the tests need, the same in every stage (tests/test_repo.py checks it); leave it out
+# of your own project. Flag values refused in one line (check_args), the run's files for --out (state_of, save_run),
+# one line on how another rank failed (explain_peer_failure), and a clean exit past a gloo bug.
+
+import pickle
+import resource
+import tempfile
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line naming the flag, exit 2 (no usage dump)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
+    return parse
+
+
+def ensure_writable(directory: Path) -> None:
+    """Create `directory` if needed and write a file there: mkdir alone succeeds on a read-only disk."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tempfile.TemporaryFile(dir=directory).close()
+
+
+def check_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Refuse now, in one line, what would otherwise fail later, on one rank only, or in a traceback."""
+    needs = (2, 6) if STAGE[:2] in ("08", "09") else (2, 0)  # when the APIs each stage uses became public
+    if torch.__version__ < needs:
+        p.error(f"torch {torch.__version__} is too old for {STAGE}: it needs {needs[0]}.{needs[1]} or newer "
+                f"(the tutorial is tested with 2.13); see 'Using another torch' in README.md")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("argument --device: cuda asked but no GPU is visible; use --device cpu (or auto)")
+    gpus = torch.cuda.device_count() if pick_device(args.device).type == "cuda" else 0
+    spawned = getattr(args, "world_size", None)  # stage 03 starts its processes itself
+    if gpus and spawned and spawned > gpus:
+        p.error(f"argument --world-size: {spawned} processes but {gpus} GPU(s) visible; "
+                f"use --world-size {gpus} or fewer (or --device cpu)")
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes torchrun started on this node
+    if gpus and local_world_size > gpus:
+        p.error(f"torchrun --nproc_per_node: {local_world_size} processes but {gpus} GPU(s) visible; "
+                f"use --nproc_per_node={gpus} or fewer (or --device cpu)")
+    if "world_size" in args and "MASTER_PORT" in os.environ:  # stage 03, with a port of yours: check it now
+        port = os.environ["MASTER_PORT"]
+        if not (port.isdigit() and 0 < int(port) < 65536):
+            p.error(f"MASTER_PORT={port} is not a port number; unset it (a free port is picked) or use 1-65535")
+        if not port_is_free(int(port)):
+            p.error(f"MASTER_PORT={port} is in use by another process; unset it (a free port is picked) "
+                    f"or choose another")
+    if args.out is not None:
+        try:  # fail now, not after training
+            ensure_writable(args.out)
+        except OSError as e:
+            p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
+    return args
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as rank 0's store does
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int) -> dict:
+    """Weights and momentum after `epoch` epochs, whole and on the CPU: tour.py replays each epoch from them."""
+    def whole(t: torch.Tensor) -> torch.Tensor:  # a DTensor (08, 09) is all-gathered: every rank calls this
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+    params = list(model.parameters())
+    return {"epoch": epoch, "params": [whole(p) for p in params],
+            "momentum": [whole(optimizer.state[p]["momentum_buffer"]) if p in optimizer.state else None
+                         for p in params]}
+
+
+def save_run(args: argparse.Namespace, trainer, model: nn.Module, device: torch.device, evaluation: tuple,
+             seconds: float, world_size: int = 1, max_diff: float = 0.0, **facts) -> None:
+    """--out: summary.json (the run in numbers), model.pt (the plain model) and trajectory.pt (for the replay)."""
+    loss_sum, correct, count = evaluation
+    global_batch = facts.pop("global_batch", args.batch_size * world_size)
+    epochs_here = len(trainer.trajectory) - 1  # trained by this run: a resumed one records from where it resumed
+    summary = {
+        "stage": STAGE, "world_size": world_size, "backend": dist.get_backend() if dist.is_initialized() else None,
+        "device": device.type, "global_batch": global_batch, "batch_size": args.batch_size, "epochs": args.epochs,
+        "lr": args.lr, "dtype": args.dtype, "seed": args.seed, "steps": trainer.steps, "losses": trainer.losses,
+        "eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_count": count,
+        "replica_max_abs_diff": max_diff, "seconds": seconds,
+        "samples_per_s": epochs_here * len(trainer.train_loader) * global_batch / seconds, **facts,
+    }
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    torch.save(model.state_dict(), args.out / "model.pt")
+    torch.save(trainer.trajectory, args.out / "trajectory.pt")
+
+
+def explain_peer_failure(error: RuntimeError, timeout: float) -> str | None:
+    """One line for the two ways another rank's failure reaches this one; None for any other error."""
+    text = str(error).lower()
+    if "timed out" in text or "timeout" in text:
+        return (f"waited more than --timeout {timeout:g}s for another rank: it stalled, died or skipped a "
+                f"collective this rank called; raise --timeout only if a rank legitimately works alone that long")
+    if "connection closed by peer" in text or "connection reset by peer" in text:
+        return "another rank closed its connection (it died): its own error, or its launcher's, says why"
+    return None
+
+
+def exit_without_teardown() -> None:
+    """Leave without Python's interpreter teardown: a gloo worker thread may still be releasing the last
+    collective, which needs the GIL, and teardown aborts it ("terminate called without an active exception":
+    5 of 22 runs here; 0 of 60 with this exit). Nothing is left to clean up."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+# ─── This stage's own checks and reports ──────────────────────────────────────────────────────────────────────────
+# Settings and files refused in one line (the model's shape, --tp, the corpus, a checkpoint directory); a failed save
+# says why; the whole state for the trajectory; memory, speed and the files of --out.
+
+
+def check_checkpoint_arg(p: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    if args.snapshot is not None:
+        if args.snapshot.exists() and not args.snapshot.is_dir():
+            p.error(f"argument --snapshot: {args.snapshot} is a file; give a directory (each rank writes its own "
+                    f"shards)")
+        try:  # fail now, not at the first save
+            ensure_writable(args.snapshot)
+        except OSError as e:
+            p.error(f"argument --snapshot: cannot write to {args.snapshot} ({e.strerror}); "
+                    f"choose a writable directory")
+    return args
+
+
+def check_gpt_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """The model's shape, the mesh and the corpus: refused now, in one line, rather than in a traceback on a rank."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if args.width % args.heads:
+        p.error(f"argument --heads: {args.heads} does not divide --width {args.width} (each head takes an equal "
+                f"part of the width)")
+    if args.tp > 1 and args.parallel != "fsdp":
+        p.error("argument --tp: tensor parallelism is combined with FSDP2 over dp here (stage 09); add "
+                "--parallel fsdp")
+    if world_size % args.tp:
+        p.error(f"argument --tp: {args.tp} does not divide the world size {world_size} (the mesh is dp x tp "
+                f"processes); use a divisor of {world_size}")
+    if args.heads % args.tp:
+        p.error(f"argument --tp: {args.tp} does not divide --heads {args.heads} (each tp rank computes whole heads); "
+                f"use one of {[d for d in range(1, args.heads + 1) if args.heads % d == 0]}")
+    if args.amp and args.dtype == "float64":
+        p.error("argument --amp: autocast leaves float64 alone, so nothing would run in bfloat16; use --dtype float32")
+    if args.sample < 0:
+        p.error(f"argument --sample: must be 0 or more characters, got {args.sample}")
+    try:
+        corpus = load_corpus(args.data)
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).split(":")[0]
+        p.error(f"argument --data: cannot read {args.data} as UTF-8 text ({why})")
+    shortest = min(len(corpus.train), len(corpus.held_out))
+    if args.context >= shortest:
+        p.error(f"argument --context: {args.context} characters is longer than the text allows: it holds "
+                f"{len(corpus.held_out):,} held-out characters after {len(corpus.train):,} to train on; "
+                f"use --context {max(shortest - 1, 1)} or less, or a longer text (--data)")
+    return args
+
+
+class SnapshotError(Exception):
+    """A --snapshot directory that cannot be resumed from: reported in one line, exit status 2."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Reads a checkpoint's .metadata, which dcp.load unpickles as it is: only what metadata is made of passes."""
+
+    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+               ("pathlib", "WindowsPath"), ("collections", "OrderedDict"),
+               ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+    def find_class(self, module: str, name: str):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        # The metadata's own classes (dataclasses, an enum); not its module's functions, which a pickle could call.
+        metadata_class = module == "torch.distributed.checkpoint.metadata" and \
+            isinstance(getattr(dcp.metadata, name, None), type)
+        if (module, name) in self.ALLOWED or dtype or metadata_class:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata (a pickle that runs "
+                                     f"code?)")
+
+
+def load_snapshot(args: argparse.Namespace, dp: int) -> dict | None:
+    """Check the newest checkpoint in --snapshot without reading its shards; None if there is none yet."""
+    directory = args.snapshot
+    strangers = [p.name for p in directory.iterdir() if not CHECKPOINT.fullmatch(p.name.removesuffix(".tmp"))] \
+        if directory.is_dir() else []
+    if strangers:
+        raise SnapshotError(f"{directory} is not a checkpoint directory of this stage (it holds {strangers[0]}); "
+                            f"give a new or empty directory")
+    if not (found := checkpoints(directory)):
+        return None
+    path = found[-1]
+    try:
+        progress = json.loads((path / PROGRESS).read_text())
+        with open(path / ".metadata", "rb") as f:  # what was saved, and where each piece lies
+            metadata = MetadataUnpickler(f).load()
+    except Exception as e:  # a file missing or unreadable
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SnapshotError(f"cannot load {path}: {first_line}") from e
+    keys = {"steps", "losses", "curve", "seed", "global_batch", "dtype", "model", "world_size"}
+    if not isinstance(progress, dict) or not keys <= progress.keys():
+        raise SnapshotError(f"{path / PROGRESS} is not this stage's (expected the keys {sorted(keys)})")
+    cfg = Config(len(set(args.data.read_text(encoding="utf-8"))), args.context, args.layers, args.heads, args.width)
+    with torch.device("meta"):
+        expected = {f"model.{k}": list(v.shape) for k, v in GPT(cfg).state_dict().items()}
+    found_shapes = {k: list(getattr(metadata.state_dict_metadata.get(k), "size", [])) for k in expected}
+    if found_shapes != expected or progress["model"] != cfg._asdict():
+        made = progress["model"]
+        raise SnapshotError(f"{path} holds another model: context {made.get('context')}, {made.get('layers')} blocks, "
+                            f"{made.get('heads')} heads, width {made.get('width')}, vocabulary {made.get('vocab')} "
+                            f"(this run: context {cfg.context}, {cfg.layers} blocks, {cfg.heads} heads, width "
+                            f"{cfg.width}, vocabulary {cfg.vocab}); resume with the same, or use another --snapshot")
+    for piece in metadata.storage_data.values():  # a shard file missing or cut short: found now, not mid-load
+        file = path / piece.relative_path
+        if not file.exists() or file.stat().st_size < piece.offset + piece.length:
+            raise SnapshotError(f"{file} is {'truncated' if file.exists() else 'missing'}; that checkpoint is "
+                                f"incomplete")
+    global_batch = dp * args.accumulate * args.batch_size
+    made_with = (progress["seed"], progress["global_batch"], progress["dtype"])
+    if made_with != (args.seed, global_batch, args.dtype):
+        raise SnapshotError(f"{path} was made with --seed {made_with[0]}, global batch {made_with[1]} and "
+                            f"--dtype {made_with[2]}; resume with the same, or use another --snapshot")
+    return {"path": path, **progress}
+
+
+def failed_save(error: Exception, tmp: Path, directory: Path) -> OSError:
+    """One line for a save that failed on some rank (dcp names each failure), and what is still there."""
+    causes = "; ".join(f"rank {r}: {exc}" for r, (exc, _) in error.failures.items()) \
+        if isinstance(error, dcp.CheckpointException) else str(error)
+    free = shutil.disk_usage(directory).free
+    kept = f"{checkpoints(directory)[-1]} is still the last checkpoint" if checkpoints(directory) \
+        else "there is no earlier checkpoint"
+    return OSError(f"writing the checkpoint {tmp} failed ({causes}; {free} bytes free on that disk); {kept}")
+
+
+def state_at(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict:
+    """Weights and AdamW's two moments after `step` steps, whole, on the CPU, by parameter name (state_of above is
+    for SGD's momentum). DTensors (FSDP2's shards, tp's slices) are all-gathered: every rank calls this."""
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+    named = [(name.removeprefix("module."), p) for name, p in model.named_parameters()]
+    moments = {key: {n: whole(optimizer.state[p][key]) for n, p in named if p in optimizer.state}
+               for key in ("exp_avg", "exp_avg_sq")}
+    return {"step": step, "params": {n: whole(p) for n, p in named}, **moments}
+
+
+def peak_memory(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict:
+    """Every rank's peak memory, and the bytes of the training state it holds (its pieces of the weights, gradients
+    and AdamW's moments: what DDP replicates and FSDP2 and tp split). On the CPU the peak is the process's largest
+    resident set (getrusage's ru_maxrss), torch's own code and buffers included; on a GPU, the most that torch had
+    allocated on it (torch.cuda.max_memory_allocated)."""
+    def local(t: torch.Tensor) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+    # A gradient is as large as its weight (and is freed between steps); each of AdamW's moments too.
+    state = sum(2 * local(p) + sum(local(m) for m in optimizer.state[p].values() if m.dim())
+                for p in model.parameters())
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    mine = torch.tensor([peak, state], dtype=torch.float64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return {"how": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "ru_maxrss, the whole process",
+            "peak": [int(m[0]) for m in every], "state": [int(m[1]) for m in every]}
+
+
+# Dense peaks of a few GPUs in FLOP/s (bfloat16, float32 without TF32), from NVIDIA's data sheets: for the MFU.
+PEAK_FLOPS = {"H100 PCIe": (756e12, 51e12), "H100": (989e12, 67e12), "H200": (989e12, 67e12),
+              "A100": (312e12, 19.5e12), "L40S": (362e12, 91.6e12), "L4": (121e12, 30.3e12)}
+
+
+def flops_per_token(cfg: Config) -> int:
+    """Training FLOPs per token (forward and backward): 6 per weight of every matmul (PaLM's 6N; the embeddings are
+    look-ups, not matmuls), plus the attention's scores and weighted sums, 12 x layers x context x width (PaLM,
+    appendix B; the causal mask's skipped half counted, as there)."""
+    matmul_weights = cfg.layers * 12 * cfg.width ** 2 + cfg.width * cfg.vocab  # q, k, v, proj: 4w^2; MLP: 8w^2; head
+    return 6 * matmul_weights + 12 * cfg.layers * cfg.context * cfg.width
+
+
+def report_speed(trainer: Trainer, cfg: Config, device: torch.device, world_size: int) -> dict:
+    """Tokens per second of the training steps (evaluation and checkpoints left out), and on a GPU the model FLOPs
+    utilisation: the FLOPs the model needs per token, times tokens/s, over the peak of the world's GPUs."""
+    steps_here = trainer.steps - trainer.resumed_at
+    tokens_per_s = steps_here * trainer.global_batch * cfg.context / trainer.train_seconds if steps_here else 0.0
+    speed = {"tokens_per_s": tokens_per_s, "flops_per_token": flops_per_token(cfg), "mfu": None}
+    line = f"tokens/s {tokens_per_s:,.0f} over {steps_here} steps ({trainer.train_seconds:.1f}s of training)"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = next((p for key, p in PEAK_FLOPS.items() if key in name), None)
+        if peak is None:
+            line += f" | MFU: the peak of a {name} is not in PEAK_FLOPS"
+        else:
+            peak_flops = peak[0] if trainer.args.amp == "bf16" else peak[1]
+            speed["mfu"] = tokens_per_s * speed["flops_per_token"] / (world_size * peak_flops)
+            line += f" | MFU {speed['mfu']:.1%} of {world_size} x {peak_flops / 1e12:g} TFLOP/s ({name})"
+    print(line)
+    return speed
+
+
+def write_run(args: argparse.Namespace, trainer: Trainer, model: GPT, floor: dict, evaluation: tuple, seconds: float,
+              speed: dict, memory: dict, max_diff: float, text: str) -> None:
+    """--out: summary.json (the run in numbers), model.pt (the plain GPT's weights), trajectory.pt (state_at's)."""
+    loss, count = evaluation
+    summary = {
+        "stage": STAGE, "world_size": dist.get_world_size(), "backend": dist.get_backend(),
+        "device": trainer.device.type, "dtype": args.dtype, "parallel": args.parallel, "dp": trainer.dp,
+        "tp": args.tp, "accumulate": args.accumulate, "amp": args.amp, "compile": args.compile,
+        "batch_size": args.batch_size, "global_batch": trainer.global_batch, "max_steps": args.max_steps,
+        "lr": args.lr, "seed": args.seed, "model": model.cfg._asdict(), "parameters": sum(p.numel() for p in
+                                                                                       model.parameters()),
+        "steps": trainer.steps, "resumed_at": trainer.resumed_at, "losses": trainer.losses,
+        "curve": trainer.curve, "eval_loss": loss, "eval_count": count, "baselines": floor,
+        "replica_max_abs_diff": max_diff, "seconds": seconds, "train_seconds": trainer.train_seconds, **speed,
+        "memory": memory, "sample": text,
+    }
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    torch.save(model.state_dict(), args.out / "model.pt")
+    torch.save(trainer.trajectory, args.out / "trajectory.pt")
+
+
+if __name__ == "__main__":
+    main()
