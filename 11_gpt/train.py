@@ -403,6 +403,7 @@ def replica_max_abs_diff(model: nn.Module) -> float:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    # ArgumentParser and positive() are defined below the line: a bad value is one line of error and exit 2.
     p = ArgumentParser(prog=f"{STAGE}/train.py", description=__doc__.splitlines()[0])
     p.add_argument("--max-steps", type=positive(int), default=600,
                    help="optimizer steps in all (the length of training: a text has no epochs here; a resumed "
