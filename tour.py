@@ -90,11 +90,9 @@ def plan(world: int, batch: int, epochs: int | None = None, device: str = "auto"
     GPU, the single-process runs use it and the multi-process ones run as CPU processes.
     """
     gpus = visible_gpus(device) if gpus is None else gpus
-    epochs_args = ("--epochs", str(epochs)) if epochs else ()
-    epochs_args += ("--lr", str(lr)) if lr is not None else ()
-    epochs_args += ("--seed", str(seed)) if seed is not None else ()
-    one = ("--device", "cuda" if gpus == 1 else device, "--dtype", dtype, *epochs_args)  # single-process runs
-    common = ("--device", "cpu" if gpus == 1 else device, "--dtype", dtype, *epochs_args)  # multi-process runs
+    settings = training_args(epochs, lr, seed)
+    one = ("--device", "cuda" if gpus == 1 else device, "--dtype", dtype, *settings)  # single-process runs
+    common = ("--device", "cpu" if gpus == 1 else device, "--dtype", dtype, *settings)  # multi-process runs
     tp = next(d for d in (4, 2, 1) if world % d == 0)  # stage 09's tensor-parallel degree
     pp = 2 if world % 2 == 0 else 1  # stage 10's pipeline stages
     steps = [
@@ -130,6 +128,12 @@ def plan(world: int, batch: int, epochs: int | None = None, device: str = "auto"
              nproc=world, label=f"torchrun, dp {world // pp} x pp {pp}"),
     ]
     return [s for s in steps if (ROOT / s.stage / "train.py").exists()]
+
+
+def training_args(epochs: int | None, lr: float | None, seed: int | None) -> tuple[str, ...]:
+    """The flags every run shares when the tour sets them; none: the stages' own defaults."""
+    given = (("--epochs", epochs), ("--lr", lr), ("--seed", seed))
+    return tuple(word for flag, value in given if value is not None for word in (flag, str(value)))
 
 
 def tour_world(gpus: int) -> int:
@@ -493,10 +497,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # Stage 05 once more, as a Slurm job on a local two-node cluster, where Slurm is installed.
     slurm_skip = slurm_missing() or ("the local Slurm cluster runs on the CPU only" if gpus >= 2 else None)
-    epochs = ("--epochs", str(args.epochs)) if args.epochs else ()
-    settings = (*(("--lr", str(args.lr)) if args.lr is not None else ()),
-                *(("--seed", str(args.seed)) if args.seed is not None else ()))
-    slurm_args = ("--device", "cpu" if gpus else args.device, "--dtype", args.dtype, *epochs, *settings,
+    slurm_args = ("--device", "cpu" if gpus else args.device, "--dtype", args.dtype,
+                  *training_args(args.epochs, args.lr, args.seed),
                   "--batch-size", str(args.batch_size))
     slurm_step = Step("05_multinode", "sbatch", slurm_args, label=f"sbatch, {world} Slurm nodes")
     runs = [*steps, slurm_step] if slurm_skip is None else steps
