@@ -118,9 +118,10 @@ class Pipe:
         if self.last:
             outputs = F.cross_entropy(outputs, y)  # the loss: its backward starts here
             losses.append(outputs.detach())
-        else:
-            self.sends.append(dist.isend(outputs.detach(), self.next, group=self.group))
+        # Stamped before the send: the next stage stamps its start after its recv, so always later.
         self.timeline.append(("F", m, start, time.perf_counter()))
+        if not self.last:
+            self.sends.append(dist.isend(outputs.detach(), self.next, group=self.group))
         self.held[m] = (inputs, outputs)  # the activations autograd keeps until this micro-batch's backward
         self.peak_held = max(self.peak_held, len(self.held))
 
@@ -132,9 +133,9 @@ class Pipe:
             dist.recv(grad, self.next, group=self.group)
         start = time.perf_counter()
         outputs.backward(grad)  # accumulates into .grad: the micro-batches' gradients add up
+        self.timeline.append(("B", m, start, time.perf_counter()))
         if not self.first:
             self.sends.append(dist.isend(inputs.grad, self.prev, group=self.group))
-        self.timeline.append(("B", m, start, time.perf_counter()))
 
 
 def gpipe(pipe: Pipe, xs: list, ys: list, losses: list) -> None:

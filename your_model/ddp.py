@@ -101,6 +101,9 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         torch.save(model.module.state_dict(), args.out / "model.pt")  # .module: the model inside DDP
         print(f"saved {args.out / 'model.pt'}")
+    # Sync point: leave together. A rank that exits while gloo's worker thread is still releasing its last
+    # collective aborts ("terminate called without an active exception"); the barrier holds no tensors.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -109,6 +109,9 @@ def main() -> None:
         plain.load_state_dict(torch.load(args.out / "model.pt", map_location=device, weights_only=True))
         correct, count = evaluate(plain, eval_set, device)
         print(f"held-out accuracy {correct / count:.2%} ({count} samples)")
+    # Sync point: leave together. A rank that exits while gloo's worker thread is still releasing its last
+    # collective aborts ("terminate called without an active exception"); the barrier holds no tensors.
+    dist.barrier()
     dist.destroy_process_group()
 
 
