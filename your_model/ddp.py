@@ -4,6 +4,7 @@
 """
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -101,10 +102,11 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         torch.save(model.module.state_dict(), args.out / "model.pt")  # .module: the model inside DDP
         print(f"saved {args.out / 'model.pt'}")
-    # Sync point: leave together. A rank that exits while gloo's worker thread is still releasing its last
-    # collective aborts ("terminate called without an active exception"); the barrier holds no tensors.
-    dist.barrier()
     dist.destroy_process_group()
+    # Leave without Python's teardown: gloo's worker thread may still be freeing the last collective's tensors,
+    # which needs the interpreter, and teardown then aborts (your_model/index.md, "Leaving").
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 """
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -109,10 +110,11 @@ def main() -> None:
         plain.load_state_dict(torch.load(args.out / "model.pt", map_location=device, weights_only=True))
         correct, count = evaluate(plain, eval_set, device)
         print(f"held-out accuracy {correct / count:.2%} ({count} samples)")
-    # Sync point: leave together. A rank that exits while gloo's worker thread is still releasing its last
-    # collective aborts ("terminate called without an active exception"); the barrier holds no tensors.
-    dist.barrier()
     dist.destroy_process_group()
+    # Leave without Python's teardown: gloo's worker thread may still be freeing the last collective's tensors,
+    # which needs the interpreter, and teardown then aborts (your_model/index.md, "Leaving").
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
