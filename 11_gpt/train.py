@@ -582,9 +582,15 @@ def ensure_writable(directory: Path) -> None:
     tempfile.TemporaryFile(dir=directory).close()
 
 
+# The torch each folder needs: when the APIs it uses became public (fully_shard, DTensor and pipelining in 2.6,
+# register_post_accumulate_grad_hook in 2.1). Stages 08-11 also check it at their top, before importing them.
+NEEDS_TORCH = {"08_fsdp": (2, 6), "09_tensor_parallel": (2, 6), "10_pipeline_parallel": (2, 6), "11_gpt": (2, 6),
+               "ddp_by_hand": (2, 1)}
+
+
 def check_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """Refuse now, in one line, what would otherwise fail later, on one rank only, or in a traceback."""
-    needs = (2, 6) if STAGE[:2] in ("08", "09") else (2, 0)  # when the APIs each stage uses became public
+    needs = NEEDS_TORCH.get(STAGE.split("/")[0], (2, 0))
     if torch.__version__ < needs:
         p.error(f"torch {torch.__version__} is too old for {STAGE}: it needs {needs[0]}.{needs[1]} or newer "
                 f"(the tutorial is tested with 2.13); see 'Using another torch' in README.md")

@@ -620,16 +620,20 @@ def test_every_flag_of_every_stage_has_a_bad_value_case():
         assert declared and not missing, f"{stage}: no bad-value case for {sorted(missing)}"
 
 
-@pytest.mark.parametrize("stage,version,refused", [
+@pytest.mark.parametrize("script,version,refused", [
     ("01_single_gpu", "1.13.1", True), ("07_model_parallel", "2.0.0", False), ("08_fsdp", "2.5.1", True),
-    ("09_tensor_parallel", "2.6.0", False)])
-def test_a_torch_older_than_the_stage_needs_is_refused_in_one_line(stage, version, refused, monkeypatch, capsys):
-    """08 and 09 need FSDP2, public from torch 2.6: an older torch would fail on their imports in a traceback, so they
-    check it at the top of the file; 01-07 (torch 2.0) in check_args. The stage's minimum itself is accepted."""
+    ("09_tensor_parallel", "2.6.0", False), ("10_pipeline_parallel", "2.5.1", True), ("11_gpt", "2.5.1", True),
+    ("ddp_by_hand/bucketed", "2.0.1", True), ("ddp_by_hand/bucketed", "2.1.0", False)])
+def test_a_torch_older_than_the_script_needs_is_refused_in_one_line(script, version, refused, monkeypatch, capsys):
+    """Each script needs the torch of NEEDS_TORCH (one table, in the shared block): 08-11 need 2.6 and check it at
+    the top of the file, since an older torch would fail on their imports in a traceback; the rest in check_args.
+    The minimum itself is accepted."""
     from torch.torch_version import TorchVersion
+    needs = ".".join(map(str, load_stage("01_single_gpu").NEEDS_TORCH.get(script.split("/")[0], (2, 0))))
+    path = ROOT / f"{script}.py" if "/" in script else ROOT / script / "train.py"
     monkeypatch.setattr(torch, "__version__", TorchVersion(version))
     try:
-        load_copy(ROOT / stage / "train.py").parse_args(["--device", "cpu"])
+        load_copy(path).parse_args(["--device", "cpu"])
         code = None  # accepted
     except SystemExit as e:
         code = e.code
@@ -638,5 +642,4 @@ def test_a_torch_older_than_the_stage_needs_is_refused_in_one_line(stage, versio
         assert code is None and not err, (code, err)
         return
     assert code == 2 and "\n" not in err, err
-    needs = "2.6" if stage >= "08" else "2.0"
-    assert err.startswith(f"{stage}/train.py: error: ") and version in err and needs in err, err
+    assert err.startswith(f"{path.relative_to(ROOT)}: error: ") and version in err and f"{needs} or newer" in err, err
