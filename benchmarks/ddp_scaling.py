@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "collectives"))  # cli.py, shared with collectives/
-from cli import ArgumentParser, ensure_writable, exit_worker, free_port, gloo_group, list_of, positive  # noqa: E402
+from cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive  # noqa: E402
 
 COLUMNS = ["experiment", "model", "params", "mode", "world_size", "per_rank_batch", "global_batch", "bucket_cap_mb",
            "accumulate", "no_sync", "steps", "step_ms", "samples_per_s", "efficiency"]
@@ -263,10 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"argument --steps: must be 0 (fit --budget) or positive, got {args.steps}")
     if args.world_size < 2:
         p.error(f"argument --world-size: the distributed runs need 2 or more processes, got {args.world_size}")
-    try:
-        ensure_writable(args.out)  # fail now, not after measuring
-    except OSError as e:
-        p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
+    p.check_out_writable(args.out)  # fail now, not after measuring
 
     cores = os.cpu_count() or 1
     over = " (oversubscribed: more processes than cores)" if args.world_size > cores else ""

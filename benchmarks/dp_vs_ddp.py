@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "collectives"))  # cli.py, shared with collectives/
-from cli import ArgumentParser, ensure_writable, positive  # noqa: E402
+from cli import ArgumentParser, positive  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = ["stage", "launcher", "processes", "gpus", "per_process_batch", "global_batch", "epochs", "samples_per_s",
@@ -88,10 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     gpus = args.gpus or visible
     if gpus > visible or gpus < 2:
         p.error(f"argument --gpus: between 2 and the {visible} visible GPUs, got {gpus}")
-    try:
-        ensure_writable(args.out)  # fail now, not after measuring
-    except OSError as e:
-        p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
+    p.check_out_writable(args.out)  # fail now, not after measuring
 
     b, common = args.batch_size, ["--device", "cuda", "--epochs", str(args.epochs)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]

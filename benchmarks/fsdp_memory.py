@@ -62,7 +62,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "collectives"))  # cli.py, shared with collectives/
-from cli import ArgumentParser, ensure_writable, exit_worker, list_of, positive  # noqa: E402
+from cli import ArgumentParser, exit_worker, list_of, positive  # noqa: E402
 
 MODES = ("ddp", "fsdp", "fsdp_no_reshard")
 COLUMNS = ["mode", "world_size", "rank", "params", "blocks", "width", "batch", "steps", "param_bytes", "unit_bytes",
@@ -362,10 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"argument --width/--blocks: {params / 1e6:.0f} M parameters need ~{need / 2**30:.1f} GiB at "
                 f"W={max(args.worlds)}, more than 80% of the {free / 2**30:.1f} GiB available; make the model "
                 f"smaller")
-    try:
-        ensure_writable(args.out)  # fail now, not after measuring
-    except OSError as e:
-        p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
+    p.check_out_writable(args.out)  # fail now, not after measuring
 
     cores = os.cpu_count() or 1
     print(f"FSDP memory: MLP of {args.blocks} blocks of {args.width}x{args.width} ({params / 1e6:.1f} M parameters, "

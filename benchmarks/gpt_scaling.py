@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "collectives"))  # cli.py, shared with collectives/
-from cli import ArgumentParser, ensure_writable, positive  # noqa: E402
+from cli import ArgumentParser, positive  # noqa: E402
 
 from tour import TORCHRUN, run_job  # noqa: E402
 
@@ -147,10 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     args.rounds = args.rounds or (1 if args.quick else 3)
     if args.steps < 4:
         p.error(f"argument --steps: at least 4 (the log, and so the measurement, comes in quarters), got {args.steps}")
-    try:
-        ensure_writable(args.out)  # fail now, not after measuring
-    except OSError as e:
-        p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
+    p.check_out_writable(args.out)  # fail now, not after measuring
     settings = [s for s in SETTINGS if s[0] in QUICK] if args.quick else SETTINGS
     model = ("--layers", "2", "--heads", "2", "--width", "64", "--context", "64") if args.quick else ()
     data = args.out / "input_250k.txt"

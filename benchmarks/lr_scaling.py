@@ -25,7 +25,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "collectives"))  # cli.py, shared with collectives/
 sys.path.insert(0, str(HERE.parent))  # tour.py: the stages' loader
-from cli import ArgumentParser, ensure_writable, list_of, positive  # noqa: E402
+from cli import ArgumentParser, list_of, positive  # noqa: E402
 
 from tour import load_stage  # noqa: E402
 
@@ -97,10 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if bad := [w for w in args.worlds if 4096 % (w * args.batch_size)]:
         p.error(f"argument --worlds: W * --batch-size must divide the 4096 training samples (not for W = {bad})")
-    try:
-        ensure_writable(args.out)
-    except OSError as e:
-        p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
+    p.check_out_writable(args.out)  # fail now, not after measuring
     torch.set_num_threads(1)  # one core, as each rank would have
     rows = measure(args.worlds, args.epochs, args.seeds, args.batch_size, args.lr)
     with open(args.out / "lr_scaling.csv", "w", newline="") as f:

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "collectives"))  # cli.py, shared with collectives/
 sys.path.insert(0, str(HERE.parent))  # tour.py: the stages' loader, the replay, the launcher
-from cli import ArgumentParser, ensure_writable, positive  # noqa: E402
+from cli import ArgumentParser, positive  # noqa: E402
 
 from tour import Step, load_stage, max_gap, replay_error, run_job, tolerance  # noqa: E402
 
@@ -295,10 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if 4096 % (W * args.batch_size):
         p.error(f"argument --batch-size: {W} x batch must divide the 4096 training samples, got {args.batch_size}")
-    try:
-        ensure_writable(args.out)  # fail now, not after measuring
-    except OSError as e:
-        p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
+    p.check_out_writable(args.out)  # fail now, not after measuring
 
     torch.set_num_threads(1)
     s01 = load_stage("01_single_gpu")

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from allreduce import PIECE_BYTES, ps_all_reduce, ring_all_reduce, ring_all_reduce_simple
-from cli import ArgumentParser, ensure_writable, exit_worker, free_port, gloo_group, positive
+from cli import ArgumentParser, exit_worker, free_port, gloo_group, positive
 
 ALGORITHMS = ("all_reduce", "ring", "ps", "ring_simple")
 COLUMNS = ["world_size", "oversubscribed", "algorithm", "bytes", "repeats", "median_ms", "algbw_GBps",
@@ -285,10 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=positive(float), default=120.0,
                    help="seconds a collective waits for the other ranks before the job fails")
     args = p.parse_args(argv)
-    try:
-        ensure_writable(args.out)  # fail now, not after measuring
-    except OSError as e:
-        p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
+    p.check_out_writable(args.out)  # fail now, not after measuring
 
     cores = os.cpu_count() or 1
     print(f"all-reduce benchmark: float32, sizes {human(min(args.sizes))} .. {human(max(args.sizes))}, "

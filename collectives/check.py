@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from allreduce import ps_all_reduce, ring_all_reduce, ring_all_reduce_simple
-from cli import ArgumentParser, ensure_writable, exit_worker, free_port, gloo_group, positive
+from cli import ArgumentParser, exit_worker, free_port, gloo_group, positive
 
 ALGORITHMS = {
     "ring_simple": ring_all_reduce_simple,
@@ -122,10 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds a collective waits for the other ranks before the job fails")
     args = p.parse_args(argv)
     if args.out is not None:
-        try:
-            ensure_writable(args.out)  # fail now, not after measuring
-        except OSError as e:
-            p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
+        p.check_out_writable(args.out)  # fail now, not after measuring
     args.port = free_port()
     verdict = mp.get_context("spawn").SimpleQueue()  # rank 0 puts the number of mismatches here
     mp.spawn(worker, args=(args.world_size, args, verdict), nprocs=args.world_size)  # worker(rank, ...)

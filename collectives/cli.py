@@ -19,6 +19,13 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line naming the flag, exit 2 (no usage dump)
         self.exit(2, f"{self.prog}: error: {message}\n")
 
+    def check_out_writable(self, out: Path) -> None:
+        """Refuse an --out directory that cannot be written, now rather than after measuring."""
+        try:
+            ensure_writable(out)
+        except OSError as e:
+            self.error(f"argument --out: cannot write to {out} ({e.strerror}); choose a writable directory")
+
 
 def positive(kind):
     def parse(text: str):

@@ -49,7 +49,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "collectives"))  # cli.py, shared with collectives/ and benchmarks/
 sys.path.insert(0, str(HERE))  # bucketed.py: the hand-built DDP
 import bucketed  # noqa: E402
-from cli import ArgumentParser, ensure_writable, exit_worker, free_port, gloo_group, list_of, positive  # noqa: E402
+from cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive  # noqa: E402
 
 COLUMNS = ["name", "impl", "bucket_mb", "first_bucket_mb", "buckets", "bucket_bytes", "ddp_bucket_bytes", "ranks",
            "steps", "step_ms", "backward_ms", "comm_ms", "hidden_ms", "exposed_ms", "overlap", "first_allreduce_ms"]
@@ -426,10 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.warmup < 2:
         p.error("argument --warmup: at least 2 (DDP rebuilds its buckets after its first step)")
-    try:
-        ensure_writable(args.out)
-    except OSError as e:
-        p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
+    p.check_out_writable(args.out)  # fail now, not after measuring
 
     configs = plan(args)
     params = sum(q.numel() for q in make_model(args).parameters())
