@@ -23,6 +23,7 @@ import argparse
 import csv
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -31,6 +32,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "collectives"))  # cli.py, shared with collectives/
+from cli import ArgumentParser, exit_worker, list_of, positive  # noqa: E402
 
 
 def by_hand():
@@ -197,21 +200,24 @@ def figure(rows: list[dict], shown: dict, path: Path, m_shown: int) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--microbatches", default="1,2,4,8,16", help="comma-separated m")
-    p.add_argument("--microbatch-size", type=int, default=128)
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--steps", type=int, default=3, help="measured steps per setting (the last one is kept)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--figure-m", type=int, default=4, help="the m whose timelines the figure shows")
+    p = ArgumentParser(prog="benchmarks/pipeline_bubble.py", description=__doc__.splitlines()[0])
+    p.add_argument("--microbatches", type=list_of(int), default=[1, 2, 4, 8, 16], help="comma-separated m")
+    p.add_argument("--microbatch-size", type=positive(int), default=128)
+    p.add_argument("--width", type=positive(int), default=1024)
+    p.add_argument("--layers", type=positive(int), default=8)
+    p.add_argument("--steps", type=positive(int), default=3, help="measured steps per setting (the last one is kept)")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (0 or more)")
+    p.add_argument("--figure-m", type=positive(int), default=4, help="the m whose timelines the figure shows")
     p.add_argument("--out", type=Path, required=True, help="write OUT.csv and OUT.png")
     args = p.parse_args()
-    ms = [int(m) for m in args.microbatches.split(",")]
+    ms = args.microbatches
+    if args.warmup < 0:
+        p.error(f"argument --warmup: must be 0 or more, got {args.warmup}")
     if "RANK" not in os.environ or int(os.environ["WORLD_SIZE"]) != 2:
         p.error("run it with torchrun --standalone --nproc_per_node=2 (two stages: one core each)")
     if args.figure_m not in ms:
-        p.error(f"--figure-m {args.figure_m} is not one of --microbatches {args.microbatches}")
+        p.error(f"argument --figure-m: {args.figure_m} is not one of --microbatches {','.join(map(str, ms))}")
+    p.check_out_writable(args.out.parent)  # fail now, not after measuring
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     hand = by_hand()
@@ -251,7 +257,7 @@ def main() -> None:
         figure(rows, shown, args.out.with_suffix(".png"), args.figure_m)
         print(f"wrote {args.out.with_suffix('.csv')} and {args.out.with_suffix('.png')}")
     dist.destroy_process_group()
-    hand.exit_without_teardown()  # rank 1 ends right after a collective: a plain exit can abort in gloo's thread
+    exit_worker()  # rank 1 ends right after a collective: a plain exit can abort in gloo's thread
 
 
 if __name__ == "__main__":

@@ -161,6 +161,7 @@ def test_dp_vs_ddp_needs_gpus_and_says_so(tmp_path):
     ("collectives/benchmark.py", ["--world-sizes", "1"], "--world-sizes"),
     ("benchmarks/ddp_scaling.py", ["--batches", "0"], "--batches"),
     ("benchmarks/dp_vs_ddp.py", ["--batch-size", "-1"], "--batch-size"),
+    ("benchmarks/pipeline_bubble.py", ["--microbatches", "0,4", "--out", "runs/bubble"], "--microbatches"),
 ])
 def test_bad_flag_is_one_line_and_exit_2(script, flags, flag):
     run = run_script(script, *flags, timeout=60)
