@@ -18,7 +18,6 @@ import functools
 import importlib.util
 import itertools
 import json
-import math
 import os
 import shutil
 import signal
@@ -459,29 +458,26 @@ def state_gap(params: list, optimizer, state: dict) -> float:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Run every stage and check that each computes stage 01's training.")
+    sys.path.insert(0, str(ROOT / "collectives"))  # cli.py: one-line errors, shared with the tools
+    from cli import ArgumentParser, positive
+
+    p = ArgumentParser(prog="tour.py", description="Run every stage and check that each computes stage 01's training.")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["float64", "float32"], default="float64",
                    help="precision of every run: float64 (default) makes rounding too small to hide a bug")
-    p.add_argument("--epochs", type=int, help="epochs per stage (default: the stages' own)")
-    p.add_argument("--batch-size", type=int, default=32, help="per-process batch b of the distributed stages")
-    p.add_argument("--lr", type=float, help="every stage's learning rate (default: the stages' own, 0.05)")
+    p.add_argument("--epochs", type=positive(int), help="epochs per stage (default: the stages' own)")
+    p.add_argument("--batch-size", type=positive(int), default=32, help="per-process batch b of the distributed stages")
+    p.add_argument("--lr", type=positive(float), help="every stage's learning rate (default: the stages' own, 0.05)")
     p.add_argument("--seed", type=int, help="every stage's seed: data, initial weights, order (default: 0)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds one stage may take before it is killed")
+    p.add_argument("--timeout", type=positive(float), default=300.0,
+                   help="seconds one stage may take before it is killed")
     p.add_argument("--out", type=Path,
                    help="keep every run's files in OUT/<row>-<stage>-<launcher>/: its summary.json, model.pt, "
                         "trajectory.pt and run.json (the command and what it printed); default: a temporary "
                         "directory, removed at the end")
     args = p.parse_args(argv)
-    if args.batch_size < 1 or (args.epochs is not None and args.epochs < 1):
-        p.error("--batch-size and --epochs must be positive")
-    if args.lr is not None and not (args.lr > 0 and math.isfinite(args.lr)):
-        p.error(f"argument --lr: must be a positive float, got {args.lr}")
     if args.out is not None:
-        try:
-            args.out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            p.error(f"--out {args.out}: {e.strerror}; give a directory you can write to")
+        p.check_out_writable(args.out)
     return args
 
 

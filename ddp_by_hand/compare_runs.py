@@ -9,14 +9,17 @@ Exit status 1 if a run does not replay within the tolerance.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tour.py: the replay, the tolerance
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tour.py: the replay, the tolerance
+sys.path.insert(0, str(ROOT / "collectives"))  # cli.py: one-line errors, shared with the tools
+from cli import ArgumentParser  # noqa: E402
+
 import tour  # noqa: E402
 
 
@@ -35,7 +38,7 @@ def identical(a: list[dict], b: list[dict]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="ddp_by_hand/compare_runs.py", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="ddp_by_hand/compare_runs.py", description=__doc__.splitlines()[0])
     p.add_argument("runs", type=Path, nargs="+", help="--out folders of naive.py or bucketed.py")
     p.add_argument("--ddp", type=Path, help="--out folder of stage 04 (torch's DDP) with the same settings")
     args = p.parse_args(argv)

@@ -75,5 +75,12 @@ def test_the_tour_takes_every_stages_learning_rate_and_seed():
     steps = plan(tour_world(0), WORLD_BATCH, lr=args.lr, seed=args.seed, gpus=0)
     assert all((flag(s, "--lr"), flag(s, "--seed")) == ("0.1", "3") for s in steps), steps
     assert all("--lr" not in s.args and "--seed" not in s.args for s in plan(2, WORLD_BATCH, gpus=0))
-    with pytest.raises(SystemExit):
-        parse_args(["--lr", "0"])
+
+
+
+@pytest.mark.parametrize("flags", [["--lr", "0"], ["--epochs", "0"], ["--batch-size", "-1"], ["--timeout", "nan"]])
+def test_a_bad_tour_flag_is_one_line_naming_it(flags, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(flags)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err and err.startswith(f"tour.py: error: argument {flags[0]}: "), err
