@@ -622,7 +622,8 @@ def test_every_flag_of_every_stage_has_a_bad_value_case():
 
 @pytest.mark.parametrize("script,version,refused", [
     ("01_single_gpu", "1.13.1", True), ("07_model_parallel", "2.0.0", False), ("08_fsdp", "2.5.1", True),
-    ("09_tensor_parallel", "2.6.0", False), ("10_pipeline_parallel", "2.5.1", True), ("11_gpt", "2.5.1", True),
+    ("09_tensor_parallel", "2.5.1", True), ("09_tensor_parallel", "2.6.0", False),
+    ("10_pipeline_parallel", "2.5.1", True), ("11_gpt", "2.5.1", True),
     ("ddp_by_hand/bucketed", "2.0.1", True), ("ddp_by_hand/bucketed", "2.1.0", False)])
 def test_a_torch_older_than_the_script_needs_is_refused_in_one_line(script, version, refused, monkeypatch, capsys):
     """Each script needs the torch of NEEDS_TORCH (one table, in the shared block): 08-11 need 2.6 and check it at
