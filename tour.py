@@ -428,7 +428,11 @@ def _replay_error(s01: ModuleType, summary: dict, trajectory: list[dict]) -> flo
                               batch_size=summary["global_batch"])
     cpu = torch.device("cpu")
     train_set, _, model, optimizer = s01.load_train_objs(args, cpu)
-    trainer = s01.Trainer(model, s01.prepare_dataloader(train_set, args.batch_size), optimizer, cpu, args.seed)
+    loader = s01.prepare_dataloader(train_set, args.batch_size)
+    if summary.get("epoch_samples", len(train_set)) != len(train_set):  # the ranks did not share the data evenly
+        order = epoch_order(len(train_set), summary["epoch_samples"])
+        loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=order)
+    trainer = s01.Trainer(model, loader, optimizer, cpu, args.seed)
     params = list(model.parameters())
     # A run from scratch must start where stage 01 starts, exactly.
     worst = max_gap(params, trajectory[0]["params"]) if trajectory[0]["epoch"] == 0 else 0.0
@@ -437,6 +441,28 @@ def _replay_error(s01: ModuleType, summary: dict, trajectory: list[dict]) -> flo
         trainer._run_epoch(before["epoch"])
         worst = max(worst, state_gap(params, optimizer, after))
     return worst
+
+
+def epoch_order(n: int, samples: int):
+    """A sampler: stage 01's order of an epoch (torch.randperm(n) from the generator its Trainer reseeds), cut or
+    lengthened to `samples` as DistributedSampler does where the ranks cannot share n samples evenly: it repeats the
+    first ones (padding), or with drop_last leaves out the last. Replaying with it checks that a stage at W = 3 computes
+    exactly stage 01's training on that order, which the stage says before training."""
+    import torch
+    from torch.utils.data import Sampler
+
+    class Order(Sampler):
+        def __init__(self) -> None:
+            self.generator = torch.Generator()
+
+        def __len__(self) -> int:
+            return samples
+
+        def __iter__(self):
+            order = torch.randperm(n, generator=self.generator).tolist()
+            return iter((order * -(-samples // n))[:samples])
+
+    return Order()
 
 
 def restore_state(params: list, optimizer, state: dict) -> None:

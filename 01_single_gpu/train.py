@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -71,7 +72,6 @@ class Trainer:
         self.seed = seed
         self.losses: list[float] = []
         self.steps = 0
-        self.trajectory: list[dict] = []  # for the tour's replay: state_of() at the start and after each epoch
 
     def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
@@ -88,14 +88,14 @@ class Trainer:
             total += self._run_batch(x.to(self.device), y.to(self.device))
         return total.item() / len(self.train_loader)  # one .item() per epoch: no GPU sync per step
 
-    def train(self, epochs: int) -> None:
-        self.trajectory.append(state_of(self.model, self.optimizer, 0))
+    def train(self, epochs: int, after_epoch: Callable[[int], None] | None = None) -> None:
         for epoch in range(epochs):
-            start = time.perf_counter()
+            start = clock(self.device)
             self.losses.append(self._run_epoch(epoch))
-            self.trajectory.append(state_of(self.model, self.optimizer, epoch + 1))
+            if after_epoch is not None:  # --out: the tour's recorder (below the line)
+                after_epoch(epoch + 1)
             print(f"epoch {epoch + 1}/{epochs} | train loss {self.losses[-1]:.4f} "
-                  f"| {time.perf_counter() - start:.2f}s")
+                  f"| {clock(self.device) - start:.2f}s")
 
 
 @torch.no_grad()
@@ -131,6 +131,14 @@ def pick_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
+def clock(device: torch.device) -> float:
+    """Seconds on a steady clock, read once the GPU has finished its queued work: CUDA runs asynchronously, so a
+    clock read without waiting would time the kernels' launches, not the kernels."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def train(device: torch.device, args: argparse.Namespace) -> None:
     train_set, eval_set, model, optimizer = load_train_objs(args, device)
     train_loader = prepare_dataloader(train_set, args.batch_size)
@@ -138,14 +146,16 @@ def train(device: torch.device, args: argparse.Namespace) -> None:
     print(f"[{STAGE}] device {device}{fallback} | batch {args.batch_size} | {len(train_loader)} steps/epoch")
 
     trainer = Trainer(model, train_loader, optimizer, device, args.seed)
-    start = time.perf_counter()
-    trainer.train(args.epochs)
-    seconds = time.perf_counter() - start
+    # --out: the weights and momentum now and after every epoch, for the tour's replay (below the line)
+    trajectory = Trajectory(trainer) if args.out is not None else None
+    start = clock(device)
+    trainer.train(args.epochs, after_epoch=trajectory)
+    seconds = clock(device) - start
 
     loss_sum, correct, count = evaluate(model, eval_set, device)
     print(f"held-out: loss {loss_sum / count:.4f} | accuracy {correct / count:.2%} ({count} samples)")
     if args.out is not None:
-        save_run(args, trainer, model, device, (loss_sum, correct, count), seconds)
+        save_run(args, trainer, trajectory, model, device, (loss_sum, correct, count), seconds)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -247,23 +257,42 @@ def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int) -> 
                          for p in params]}
 
 
-def save_run(args: argparse.Namespace, trainer, model: nn.Module, device: torch.device, evaluation: tuple,
-             seconds: float, world_size: int = 1, max_diff: float = 0.0, **facts) -> None:
+class Trajectory(list):
+    """--out: state_of() at the start and after every epoch, which tour.py replays. Made only with --out: each entry
+    copies the whole model (in 08 and 09 an all-gather of it), which a run that does not keep it must not pay for."""
+
+    def __init__(self, trainer) -> None:
+        super().__init__()
+        self.trainer = trainer
+        self(getattr(trainer, "epochs_run", 0))  # a resumed run (06-09) records from the epoch it resumed at
+
+    def __call__(self, epoch: int) -> None:  # Trainer.train calls it after every epoch
+        self.append(self.state(epoch))
+
+    def state(self, epoch: int) -> dict:
+        return state_of(self.trainer.model, self.trainer.optimizer, epoch)
+
+
+def save_run(args: argparse.Namespace, trainer, trajectory: list[dict], model: nn.Module, device: torch.device,
+             evaluation: tuple, seconds: float, world_size: int = 1, max_diff: float = 0.0, **facts) -> None:
     """--out: summary.json (the run in numbers), model.pt (the plain model) and trajectory.pt (for the replay)."""
     loss_sum, correct, count = evaluation
     global_batch = facts.pop("global_batch", args.batch_size * world_size)
-    epochs_here = len(trainer.trajectory) - 1  # trained by this run: a resumed one records from where it resumed
+    epochs_here = len(trajectory) - 1  # trained by this run: a resumed one records from where it resumed
     summary = {
         "stage": STAGE, "world_size": world_size, "backend": dist.get_backend() if dist.is_initialized() else None,
         "device": device.type, "global_batch": global_batch, "batch_size": args.batch_size, "epochs": args.epochs,
         "lr": args.lr, "dtype": args.dtype, "seed": args.seed, "steps": trainer.steps, "losses": trainer.losses,
         "eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_count": count,
         "replica_max_abs_diff": max_diff, "seconds": seconds,
-        "samples_per_s": epochs_here * len(trainer.train_loader) * global_batch / seconds, **facts,
+        "samples_per_s": epochs_here * len(trainer.train_loader) * global_batch / seconds,
+        # Samples an epoch trains on: more than the data where DistributedSampler pads (tour.replay_error follows it).
+        "epoch_samples": getattr(trainer.train_loader.sampler, "total_size", len(trainer.train_loader.dataset)),
+        **facts,
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     torch.save(model.state_dict(), args.out / "model.pt")
-    torch.save(trainer.trajectory, args.out / "trajectory.pt")
+    torch.save(list(trajectory), args.out / "trajectory.pt")
 
 
 def explain_peer_failure(error: RuntimeError, timeout: float) -> str | None:

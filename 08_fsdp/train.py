@@ -17,6 +17,7 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -84,6 +85,17 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, rank: int, world_size:
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
 
 
+def padding_note(n: int, world_size: int) -> str | None:
+    """What DistributedSampler does when the ranks cannot share the samples evenly, in one line (None if they can)."""
+    if n % world_size == 0:
+        return None
+    extra = world_size - n % world_size
+    return (f"note: {n} samples do not split evenly over {world_size} ranks: DistributedSampler repeats the first "
+            f"{extra} of each epoch's order, so every rank takes {(n + extra) // world_size} and an epoch trains on "
+            f"{n + extra} samples (stage 01's training on that order); drop_last=True would leave out the last "
+            f"{n % world_size} instead")
+
+
 def shard_model(model: nn.Module, device: torch.device, reshard_after_forward: bool) -> None:
     """Shard each block (a unit: gathered whole for its forward and for its backward), then the root."""
     # An explicit mesh on the training device: the default is cuda wherever a GPU is visible (pytorch#132471).
@@ -126,7 +138,6 @@ class Trainer:
         self.master_process = master_process  # rank 0 alone logs
         self.losses: list[float] = []
         self.steps = 0
-        self.trajectory: list[dict] = []  # for the tour's replay: state_of() at the start and after each epoch
         self.snapshot_path = snapshot_path  # a directory: one file of shards per rank in each checkpoint
         self.save_every = save_every
         self.seed = seed
@@ -190,19 +201,19 @@ class Trainer:
         dist.all_reduce(total)  # each rank saw different samples: the mean over ranks is stage 01's loss
         return total.item() / (len(self.train_loader) * dist.get_world_size())
 
-    def train(self, epochs: int) -> None:
-        self.trajectory.append(state_of(self.model, self.optimizer, self.epochs_run))
+    def train(self, epochs: int, after_epoch: Callable[[int], None] | None = None) -> None:
         if self.epochs_run >= epochs and self.master_process:  # a finished checkpoint: say so, do not look stuck
             print(f"nothing to train: the checkpoint is at epoch {self.epochs_run} and --epochs is {epochs}; "
                   f"pass --epochs {self.epochs_run + 10} to train 10 more, or another --snapshot to start afresh")
         for epoch in range(self.epochs_run, epochs):  # a resumed run starts after the snapshot's last epoch
-            start = time.perf_counter()
+            start = clock(self.device)
             self.losses.append(self._run_epoch(epoch))
-            self.trajectory.append(state_of(self.model, self.optimizer, epoch + 1))
+            if after_epoch is not None:  # --out: the tour's recorder (below the line)
+                after_epoch(epoch + 1)
             self.epochs_run = epoch + 1
             if self.master_process:
                 print(f"epoch {epoch + 1}/{epochs} | train loss {self.losses[-1]:.4f} "
-                      f"| {time.perf_counter() - start:.2f}s")
+                      f"| {clock(self.device) - start:.2f}s")
             if self.snapshot_path is not None and self.epochs_run % self.save_every == 0:
                 self._save_snapshot()  # every rank: each writes its own shards
                 # Sync point: once any rank is past it, the checkpoint of this epoch is complete and
@@ -272,6 +283,14 @@ def pick_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
+def clock(device: torch.device) -> float:
+    """Seconds on a steady clock, read once the GPU has finished its queued work: CUDA runs asynchronously, so a
+    clock read without waiting would time the kernels' launches, not the kernels."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def restart_safe_store(timeout: float) -> dist.Store | None:
     """torchrun's store, with a key prefix of its own for each restart of the group.
 
@@ -317,6 +336,8 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         print(f"[{STAGE}] world size {world_size} | backend {dist.get_backend()} | device {device.type}{fallback} | "
               f"batch {args.batch_size} per rank, {args.batch_size * world_size} global | "
               f"{len(train_loader)} steps/epoch")
+        if (note := padding_note(len(train_set), world_size)) is not None:  # 3 ranks, say: the sampler pads
+            print(note)
         for p in layout:
             print(f"  node {p['node']} ({p['host']}) | local rank {p['local_rank']} | global rank {p['rank']}")
     # No wrapper: load_train_objs sharded the model in place (fully_shard), so `model` is the one we train.
@@ -329,9 +350,11 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         print(f"resumed from {snapshot['path']} (written by {snapshot['world_size']} ranks) after epoch "
               f"{resumed_from}" + (f" (torchrun restart {restarts})" if restarts else ""))
     collectives = count_first_step(trainer)  # what one step communicates, filled in as it runs (below the line)
-    start = time.perf_counter()
-    trainer.train(args.epochs)
-    seconds = time.perf_counter() - start
+    # --out: the weights and momentum now and after every epoch, for the tour's replay (below the line)
+    trajectory = Trajectory(trainer) if args.out is not None else None
+    start = clock(device)
+    trainer.train(args.epochs, after_epoch=trajectory)
+    seconds = clock(device) - start
 
     full = full_model(model, args.hidden)  # on every rank: the plain Net a DDP replica would be
     loss_sum, correct, count = evaluate_distributed(full, eval_set, device)
@@ -343,7 +366,7 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         print(f"assembled model: max |difference| from rank 0's = {max_diff:.3g} over {world_size} ranks")
         print_shards_and_collectives(shards, collectives, args.reshard_after_forward)
     if master_process and args.out is not None:
-        save_run(args, trainer, full, device, (loss_sum, correct, count), seconds, world_size, max_diff,
+        save_run(args, trainer, trajectory, full, device, (loss_sum, correct, count), seconds, world_size, max_diff,
                  hidden=args.hidden, reshard_after_forward=args.reshard_after_forward, **shards,
                  collectives_per_step=collectives.get("dp", {}), nodes=len({p["node"] for p in layout}), layout=layout,
                  resumed_from_epoch=resumed_from, restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
@@ -474,23 +497,42 @@ def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int) -> 
                          for p in params]}
 
 
-def save_run(args: argparse.Namespace, trainer, model: nn.Module, device: torch.device, evaluation: tuple,
-             seconds: float, world_size: int = 1, max_diff: float = 0.0, **facts) -> None:
+class Trajectory(list):
+    """--out: state_of() at the start and after every epoch, which tour.py replays. Made only with --out: each entry
+    copies the whole model (in 08 and 09 an all-gather of it), which a run that does not keep it must not pay for."""
+
+    def __init__(self, trainer) -> None:
+        super().__init__()
+        self.trainer = trainer
+        self(getattr(trainer, "epochs_run", 0))  # a resumed run (06-09) records from the epoch it resumed at
+
+    def __call__(self, epoch: int) -> None:  # Trainer.train calls it after every epoch
+        self.append(self.state(epoch))
+
+    def state(self, epoch: int) -> dict:
+        return state_of(self.trainer.model, self.trainer.optimizer, epoch)
+
+
+def save_run(args: argparse.Namespace, trainer, trajectory: list[dict], model: nn.Module, device: torch.device,
+             evaluation: tuple, seconds: float, world_size: int = 1, max_diff: float = 0.0, **facts) -> None:
     """--out: summary.json (the run in numbers), model.pt (the plain model) and trajectory.pt (for the replay)."""
     loss_sum, correct, count = evaluation
     global_batch = facts.pop("global_batch", args.batch_size * world_size)
-    epochs_here = len(trainer.trajectory) - 1  # trained by this run: a resumed one records from where it resumed
+    epochs_here = len(trajectory) - 1  # trained by this run: a resumed one records from where it resumed
     summary = {
         "stage": STAGE, "world_size": world_size, "backend": dist.get_backend() if dist.is_initialized() else None,
         "device": device.type, "global_batch": global_batch, "batch_size": args.batch_size, "epochs": args.epochs,
         "lr": args.lr, "dtype": args.dtype, "seed": args.seed, "steps": trainer.steps, "losses": trainer.losses,
         "eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_count": count,
         "replica_max_abs_diff": max_diff, "seconds": seconds,
-        "samples_per_s": epochs_here * len(trainer.train_loader) * global_batch / seconds, **facts,
+        "samples_per_s": epochs_here * len(trainer.train_loader) * global_batch / seconds,
+        # Samples an epoch trains on: more than the data where DistributedSampler pads (tour.replay_error follows it).
+        "epoch_samples": getattr(trainer.train_loader.sampler, "total_size", len(trainer.train_loader.dataset)),
+        **facts,
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     torch.save(model.state_dict(), args.out / "model.pt")
-    torch.save(trainer.trajectory, args.out / "trajectory.pt")
+    torch.save(list(trajectory), args.out / "trajectory.pt")
 
 
 def explain_peer_failure(error: RuntimeError, timeout: float) -> str | None:

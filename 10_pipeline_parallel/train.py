@@ -17,6 +17,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -41,6 +42,7 @@ N_LAYERS = 3  # Linear layers in Net: a pipeline has at most one stage per layer
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # --schedule
 STAGE_LAYERS = {1: [["body.0", "head.0", "head.2"]], 2: [["body.0"], ["head.0", "head.2"]],  # by --pp
                 3: [["body.0"], ["head.0"], ["head.2"]]}
+IGNORE = -100  # the label of a padding row: cross_entropy's ignore_index leaves it out of the loss and its gradients
 
 
 def make_data(seed: int, dtype: torch.dtype = torch.float32) -> tuple[TensorDataset, TensorDataset]:
@@ -92,10 +94,42 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, rank: int, world_size:
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
 
 
+def padding_note(n: int, world_size: int) -> str | None:
+    """What DistributedSampler does when the ranks cannot share the samples evenly, in one line (None if they can)."""
+    if n % world_size == 0:
+        return None
+    extra = world_size - n % world_size
+    return (f"note: {n} samples do not split evenly over {world_size} ranks: DistributedSampler repeats the first "
+            f"{extra} of each epoch's order, so every rank takes {(n + extra) // world_size} and an epoch trains on "
+            f"{n + extra} samples (stage 01's training on that order); drop_last=True would leave out the last "
+            f"{n % world_size} instead")
+
+
+class BatchMeanLoss:
+    """The loss of one micro-batch as its share of the batch's mean: the sum over its rows divided by the batch's
+    samples. Summed over the micro-batches, however the batch was cut, it is the batch's mean cross-entropy, as in
+    stage 01 (a mean per micro-batch, averaged, would weigh a short micro-batch's samples more)."""
+
+    def __init__(self) -> None:
+        self.samples = 1  # set before each batch: its real samples, padding not counted
+
+    def __call__(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, y, ignore_index=IGNORE, reduction="sum") / self.samples
+
+
+def padded(x: torch.Tensor, y: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch with padding rows up to `rows`: zeros for the features, IGNORE for the label (they add nothing)."""
+    extra = rows - len(y)
+    return torch.cat([x, x.new_zeros(extra, *x.shape[1:])]), torch.cat([y, y.new_full((extra,), IGNORE)])
+
+
 class Trainer:
-    def __init__(self, schedule, model: nn.Module, train_loader: DataLoader, optimizer: torch.optim.Optimizer,
-                 device: torch.device, master_process: bool, mesh: DeviceMesh) -> None:
+    def __init__(self, schedule, loss_fn: BatchMeanLoss, model: nn.Module, train_loader: DataLoader,
+                 optimizer: torch.optim.Optimizer, device: torch.device, master_process: bool, mesh: DeviceMesh,
+                 rows: int) -> None:
         self.schedule = schedule  # runs one batch's micro-batches through the pipeline, forward and backward
+        self.loss_fn = loss_fn  # the schedule's: told each batch's number of samples
+        self.rows = rows  # every batch is padded to this many rows: the schedule's shapes are fixed at its first step
         self.model = model  # this process's stage: a run of the model's layers
         self.train_loader = train_loader
         self.optimizer = optimizer
@@ -106,14 +140,16 @@ class Trainer:
         self.last = mesh.get_local_rank("pp") == mesh["pp"].size() - 1  # takes the labels, computes the loss
         self.losses: list[float] = []
         self.steps = 0
-        self.trajectory: list[dict] = []  # for the tour's replay: whole_state_of() at the start and after each epoch
 
     def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []  # the last stage's loss of each micro-batch
+        # torch's schedule cuts a batch into M equal micro-batches and sizes every stage's buffers at its first step:
+        # a batch of fewer rows (the last of an epoch) or of rows M does not divide is padded to the same shape.
+        self.loss_fn.samples = len(y)
+        x, y = padded(x, y, self.rows)
         # Sync points: each micro-batch's activations go to the next stage and its gradients come back (send/recv
-        # between neighbours). The schedule scales each micro-batch's loss by 1/M itself: the gradients summed over
-        # the micro-batches are the batch's mean.
+        # between neighbours). The gradients add up over the micro-batches: the batch's mean, as the loss is.
         self.schedule.step(*([x] if self.first else []), target=y if self.last else None,
                            losses=losses if self.last else None)
         # Sync point: the same stage of every pipeline averages its gradients, once per batch, after the last
@@ -123,7 +159,7 @@ class Trainer:
             p.grad /= self.mesh["dp"].size()
         self.optimizer.step()  # this stage's weights only
         self.steps += 1
-        return torch.stack(losses).mean().detach() if self.last else torch.zeros((), device=self.device)
+        return torch.stack(losses).sum().detach() if self.last else torch.zeros((), device=self.device)
 
     def _run_epoch(self, epoch: int) -> float:
         self.train_loader.sampler.set_epoch(epoch)  # without it, every epoch repeats epoch 0's order
@@ -133,47 +169,46 @@ class Trainer:
         dist.all_reduce(total)  # only the last stage of each pipeline has a loss: the mean over the dp pipelines
         return total.item() / (len(self.train_loader) * self.mesh["dp"].size())
 
-    def train(self, epochs: int) -> None:
-        self.trajectory.append(whole_state_of(self.model, self.optimizer, 0, self.mesh))
+    def train(self, epochs: int, after_epoch: Callable[[int], None] | None = None) -> None:
         for epoch in range(epochs):
-            start = time.perf_counter()
+            start = clock(self.device)
             self.losses.append(self._run_epoch(epoch))
-            self.trajectory.append(whole_state_of(self.model, self.optimizer, epoch + 1, self.mesh))
+            if after_epoch is not None:  # --out: the tour's recorder (below the line)
+                after_epoch(epoch + 1)
             if self.master_process:
                 print(f"epoch {epoch + 1}/{epochs} | train loss {self.losses[-1]:.4f} "
-                      f"| {time.perf_counter() - start:.2f}s")
+                      f"| {clock(self.device) - start:.2f}s")
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset: Dataset, device: torch.device) -> tuple[float, float, int]:
-    """Return (sum of losses, number correct, number of samples) over `dataset`."""
-    model.eval()
-    loss_sum, correct = 0.0, 0
-    for x, y in DataLoader(dataset, batch_size=256):
-        logits = model(x.to(device))
-        loss_sum += F.cross_entropy(logits, y.to(device), reduction="sum").item()
-        correct += (logits.argmax(dim=1).cpu() == y).sum().item()
-    model.train()
-    return loss_sum, correct, len(dataset)
-
-
-def evaluate_distributed(model: nn.Module, dataset: Dataset, device: torch.device) -> tuple[float, float, int]:
-    """evaluate() over the whole dataset, split across ranks; every sample counts exactly once."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    # Rank r scores samples r, r+W, ...: no padding (DistributedSampler would repeat samples
-    # to even out the ranks, and they would be counted twice). Then one all_reduce adds the sums.
-    shard = Subset(dataset, range(rank, len(dataset), world_size))
-    totals = torch.tensor(evaluate(model, shard, device), dtype=torch.float64, device=device)
+def evaluate_pipeline(trainer: Trainer, dataset: Dataset) -> tuple[float, float, int]:
+    """evaluate() through the pipeline itself (no stage ever holds the whole model): each dp pipeline scores samples
+    r, r+dp, ... in batches of the training shape, the last stage adds up its losses and correct answers, and one
+    all_reduce adds every pipeline's (the other stages add zeros)."""
+    dp_rank, dp = trainer.mesh.get_local_rank("dp"), trainer.mesh["dp"].size()
+    totals = torch.zeros(3, dtype=torch.float64, device=trainer.device)
+    trainer.loss_fn.samples = 1  # the sum of the losses, not their mean
+    for x, y in DataLoader(Subset(dataset, range(dp_rank, len(dataset), dp)), batch_size=trainer.rows):
+        losses: list[torch.Tensor] = []
+        xp, yp = padded(x.to(trainer.device), y.to(trainer.device), trainer.rows)
+        # Forward only, micro-batch after micro-batch, as in training (sync points: the stages' send/recv).
+        logits = trainer.schedule.eval(*([xp] if trainer.first else []), target=yp if trainer.last else None,
+                                       losses=losses if trainer.last else None)
+        if trainer.last:
+            correct = (logits[:len(y)].argmax(dim=1).cpu() == y).sum().item()
+            totals += torch.tensor([torch.stack(losses).sum().item(), correct, len(y)], dtype=torch.float64,
+                                   device=trainer.device)
     dist.all_reduce(totals)
     loss_sum, correct, count = totals.tolist()
     return loss_sum, correct, int(count)
 
 
-def replica_max_abs_diff(model: nn.Module) -> float:
-    """Gather every rank's parameters; return the largest difference from rank 0's."""
+def replica_max_abs_diff(model: nn.Module, group: dist.ProcessGroup | None = None) -> float:
+    """Gather the parameters of every rank of `group` (here: one stage's copies in the dp pipelines); return the
+    largest difference from the first's."""
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, flat, group=group)
     return max((g - gathered[0]).abs().max().item() for g in gathered)
 
 
@@ -204,9 +239,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"argument --pp: {args.pp} must divide the world size {world_size} (the mesh is dp x pp processes) "
                 f"and be at most the model's {N_LAYERS} layers; use one of "
                 f"{[d for d in range(1, N_LAYERS + 1) if world_size % d == 0]}")
-    if args.batch_size % args.microbatches:
-        p.error(f"argument --microbatches: {args.microbatches} does not divide --batch-size {args.batch_size} "
-                f"(every micro-batch the same size); use a divisor of {args.batch_size}")
+    if args.microbatches > args.batch_size:
+        p.error(f"argument --microbatches: {args.microbatches} micro-batches of a --batch-size {args.batch_size} "
+                f"would leave some without a sample; use --microbatches {args.batch_size} or fewer")
     if args.schedule == "1f1b" and args.microbatches < args.pp:
         p.error(f"argument --microbatches: 1f1b needs at least one micro-batch per stage ({args.pp}), or its warm-up "
                 f"never ends; use --microbatches {args.pp} or more, or --schedule gpipe")
@@ -217,6 +252,14 @@ def pick_device(choice: str) -> torch.device:
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(choice)
+
+
+def clock(device: torch.device) -> float:
+    """Seconds on a steady clock, read once the GPU has finished its queued work: CUDA runs asynchronously, so a
+    clock read without waiting would time the kernels' launches, not the kernels."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def ddp_setup(ddp: bool, device: torch.device, timeout: float) -> None:
@@ -247,40 +290,53 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
     train_set, eval_set, model, optimizer = load_train_objs(args, device, pp_rank)
     # The data is split over the dp pipelines only: the stages of a pipeline work on the same samples.
     train_loader = prepare_dataloader(train_set, args.batch_size, dp_rank, dp_size, args.seed)
+    rows = -(-args.batch_size // args.microbatches) * args.microbatches  # a batch padded to M equal micro-batches
+    last = len(train_loader.sampler) % args.batch_size  # the real rows of an epoch's last batch (0: a full one)
     if master_process:
         fallback = " (no GPU visible: using the CPU)" if args.device == "auto" and device.type == "cpu" else ""
         print(f"[{STAGE}] world size {world_size} = dp {dp_size} x pp {args.pp} | backend {dist.get_backend()} | "
               f"device {device.type}{fallback} | batch {args.batch_size} per pipeline = {args.microbatches} "
-              f"micro-batches of {args.batch_size // args.microbatches}, {args.batch_size * dp_size} global | "
+              f"micro-batches of {rows // args.microbatches}, {args.batch_size * dp_size} global | "
               f"schedule {args.schedule} | {len(train_loader)} steps/epoch")
+        if (note := padding_note(len(train_set), dp_size)) is not None:  # 3 ranks, say: the sampler pads
+            print(note)
+        if rows != args.batch_size or last:  # rows the loss ignores: the same training, a little more compute
+            print(f"note: batches are padded to {rows} rows for the schedule's fixed shapes ({args.batch_size} samples"
+                  + (f"; {last} in each epoch's last batch" if last else "") + "); the padding rows count for nothing")
         for p in layout:
             print(f"  node {p['node']} ({p['host']}) | local rank {p['local_rank']} | global rank {p['rank']} | "
                   f"dp {p['dp']} pp {p['pp']}: layers {' '.join(STAGE_LAYERS[args.pp][p['pp']])}")
     # No DDP: its reducer expects one backward per forward, and GPipe runs every forward first. Every rank built
     # the same weights from the seed; the dp pipelines stay equal because they average their gradients (Trainer).
     stage = PipelineStage(model, pp_rank, args.pp, device, group=mesh.get_group("pp"))
-    schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.microbatches, loss_fn=F.cross_entropy)
+    loss_fn = BatchMeanLoss()  # summed over the micro-batches, the batch's mean: so the gradients need no scaling
+    schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.microbatches, loss_fn=loss_fn, scale_grads=False)
 
-    trainer = Trainer(schedule, model, train_loader, optimizer, device, master_process, mesh)
-    start = time.perf_counter()
-    trainer.train(args.epochs)
-    seconds = time.perf_counter() - start
+    trainer = Trainer(schedule, loss_fn, model, train_loader, optimizer, device, master_process, mesh, rows)
+    # --out: the weights and momentum now and after every epoch, for the tour's replay (below the line)
+    trajectory = WholeTrajectory(trainer) if args.out is not None else None
+    start = clock(device)
+    trainer.train(args.epochs, after_epoch=trajectory)
+    seconds = clock(device) - start
 
-    full = Net().to(device, DTYPES[args.dtype])  # on every rank: the whole model, from every stage's weights
-    with torch.no_grad():
-        for p, whole in zip(full.parameters(), trainer.trajectory[-1]["params"], strict=True):
-            p.copy_(whole)
-    loss_sum, correct, count = evaluate_distributed(full, eval_set, device)
-    max_diff = replica_max_abs_diff(full)  # every rank assembled the same model (and the dp pipelines agree)
+    loss_sum, correct, count = evaluate_pipeline(trainer, eval_set)
+    # The copies of a stage in the dp pipelines averaged the same gradients, so they must be equal: the largest
+    # difference of any stage, agreed by every rank (max over all), so that all stop below together if it is not 0.
+    max_diff = torch.tensor(replica_max_abs_diff(model, mesh.get_group("dp")))
+    dist.all_reduce(max_diff, op=dist.ReduceOp.MAX)
+    max_diff = max_diff.item()
     if master_process:
         print(f"held-out: loss {loss_sum / count:.4f} | accuracy {correct / count:.2%} ({count} samples)")
-        print(f"assembled model: max |difference| from rank 0's = {max_diff:.3g} over {world_size} ranks")
-    if master_process and args.out is not None:
-        save_run(args, trainer, full, device, (loss_sum, correct, count), seconds, world_size, max_diff,
-                 global_batch=args.batch_size * dp_size, dp=dp_size, pp=args.pp, microbatches=args.microbatches,
-                 schedule=args.schedule, nodes=len({p["node"] for p in layout}), layout=layout)
-    if max_diff != 0:  # every rank computed the same max_diff, so all stop here together
-        raise RuntimeError(f"the ranks assembled different models (max |difference| {max_diff:.3g})")
+        print(f"pipelines: max |difference| of a stage from its copy in pipeline 0 = {max_diff:.3g} over {dp_size}")
+    if args.out is not None:  # every rank of a pipeline: its stages gathered into one model, for model.pt
+        full = gathered_model(model, mesh, args.pp, args.dtype)
+        if master_process:
+            save_run(args, trainer, trajectory, full, device, (loss_sum, correct, count), seconds, world_size,
+                     max_diff, global_batch=args.batch_size * dp_size, dp=dp_size, pp=args.pp,
+                     microbatches=args.microbatches, schedule=args.schedule, nodes=len({p["node"] for p in layout}),
+                     layout=layout)
+    if max_diff != 0:
+        raise RuntimeError(f"the pipelines' copies of a stage differ (max |difference| {max_diff:.3g})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -396,23 +452,42 @@ def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int) -> 
                          for p in params]}
 
 
-def save_run(args: argparse.Namespace, trainer, model: nn.Module, device: torch.device, evaluation: tuple,
-             seconds: float, world_size: int = 1, max_diff: float = 0.0, **facts) -> None:
+class Trajectory(list):
+    """--out: state_of() at the start and after every epoch, which tour.py replays. Made only with --out: each entry
+    copies the whole model (in 08 and 09 an all-gather of it), which a run that does not keep it must not pay for."""
+
+    def __init__(self, trainer) -> None:
+        super().__init__()
+        self.trainer = trainer
+        self(getattr(trainer, "epochs_run", 0))  # a resumed run (06-09) records from the epoch it resumed at
+
+    def __call__(self, epoch: int) -> None:  # Trainer.train calls it after every epoch
+        self.append(self.state(epoch))
+
+    def state(self, epoch: int) -> dict:
+        return state_of(self.trainer.model, self.trainer.optimizer, epoch)
+
+
+def save_run(args: argparse.Namespace, trainer, trajectory: list[dict], model: nn.Module, device: torch.device,
+             evaluation: tuple, seconds: float, world_size: int = 1, max_diff: float = 0.0, **facts) -> None:
     """--out: summary.json (the run in numbers), model.pt (the plain model) and trajectory.pt (for the replay)."""
     loss_sum, correct, count = evaluation
     global_batch = facts.pop("global_batch", args.batch_size * world_size)
-    epochs_here = len(trainer.trajectory) - 1  # trained by this run: a resumed one records from where it resumed
+    epochs_here = len(trajectory) - 1  # trained by this run: a resumed one records from where it resumed
     summary = {
         "stage": STAGE, "world_size": world_size, "backend": dist.get_backend() if dist.is_initialized() else None,
         "device": device.type, "global_batch": global_batch, "batch_size": args.batch_size, "epochs": args.epochs,
         "lr": args.lr, "dtype": args.dtype, "seed": args.seed, "steps": trainer.steps, "losses": trainer.losses,
         "eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_count": count,
         "replica_max_abs_diff": max_diff, "seconds": seconds,
-        "samples_per_s": epochs_here * len(trainer.train_loader) * global_batch / seconds, **facts,
+        "samples_per_s": epochs_here * len(trainer.train_loader) * global_batch / seconds,
+        # Samples an epoch trains on: more than the data where DistributedSampler pads (tour.replay_error follows it).
+        "epoch_samples": getattr(trainer.train_loader.sampler, "total_size", len(trainer.train_loader.dataset)),
+        **facts,
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     torch.save(model.state_dict(), args.out / "model.pt")
-    torch.save(trainer.trajectory, args.out / "trajectory.pt")
+    torch.save(list(trajectory), args.out / "trajectory.pt")
 
 
 def explain_peer_failure(error: RuntimeError, timeout: float) -> str | None:
@@ -439,12 +514,28 @@ def exit_without_teardown() -> None:
 # The tour replays the whole model's epochs, but each process holds one stage: gather them, in the model's order.
 
 
-def whole_state_of(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, mesh: DeviceMesh) -> dict:
-    """state_of() of the whole model: every stage's weights and momentum, gathered over the pipeline, in order."""
-    pieces: list[dict] = [{} for _ in range(mesh["pp"].size())]
-    dist.all_gather_object(pieces, state_of(model, optimizer, epoch), group=mesh.get_group("pp"))
-    return {"epoch": epoch, "params": [t for piece in pieces for t in piece["params"]],
-            "momentum": [t for piece in pieces for t in piece["momentum"]]}
+class WholeTrajectory(Trajectory):
+    """Trajectory of the whole model: every stage's weights and momentum, gathered over the pipeline, in order."""
+
+    def state(self, epoch: int) -> dict:
+        pieces: list[dict] = [{} for _ in range(self.trainer.mesh["pp"].size())]
+        dist.all_gather_object(pieces, state_of(self.trainer.model, self.trainer.optimizer, epoch),
+                               group=self.trainer.mesh.get_group("pp"))
+        return {"epoch": epoch, "params": [t for piece in pieces for t in piece["params"]],
+                "momentum": [t for piece in pieces for t in piece["momentum"]]}
+
+
+def gathered_model(model: nn.Module, mesh: DeviceMesh, pp: int, dtype: str) -> nn.Module:
+    """--out: stage 01's Net from every stage's layers, gathered by name over the pipeline (each rank of it calls)."""
+    names = STAGE_LAYERS[pp][mesh.get_local_rank("pp")]  # this stage's Linear layers, in Net's names
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    mine = {f"{name}.{k}": v.detach().cpu() for name, layer in zip(names, linears, strict=True)
+            for k, v in layer.state_dict().items()}
+    pieces: list[dict] = [{} for _ in range(pp)]
+    dist.all_gather_object(pieces, mine, group=mesh.get_group("pp"))
+    full = Net().to(torch.device("cpu"), DTYPES[dtype])
+    full.load_state_dict({k: v for piece in pieces for k, v in piece.items()})  # strict: every layer, once
+    return full
 
 
 if __name__ == "__main__":

@@ -640,23 +640,42 @@ def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int) -> 
                          for p in params]}
 
 
-def save_run(args: argparse.Namespace, trainer, model: nn.Module, device: torch.device, evaluation: tuple,
-             seconds: float, world_size: int = 1, max_diff: float = 0.0, **facts) -> None:
+class Trajectory(list):
+    """--out: state_of() at the start and after every epoch, which tour.py replays. Made only with --out: each entry
+    copies the whole model (in 08 and 09 an all-gather of it), which a run that does not keep it must not pay for."""
+
+    def __init__(self, trainer) -> None:
+        super().__init__()
+        self.trainer = trainer
+        self(getattr(trainer, "epochs_run", 0))  # a resumed run (06-09) records from the epoch it resumed at
+
+    def __call__(self, epoch: int) -> None:  # Trainer.train calls it after every epoch
+        self.append(self.state(epoch))
+
+    def state(self, epoch: int) -> dict:
+        return state_of(self.trainer.model, self.trainer.optimizer, epoch)
+
+
+def save_run(args: argparse.Namespace, trainer, trajectory: list[dict], model: nn.Module, device: torch.device,
+             evaluation: tuple, seconds: float, world_size: int = 1, max_diff: float = 0.0, **facts) -> None:
     """--out: summary.json (the run in numbers), model.pt (the plain model) and trajectory.pt (for the replay)."""
     loss_sum, correct, count = evaluation
     global_batch = facts.pop("global_batch", args.batch_size * world_size)
-    epochs_here = len(trainer.trajectory) - 1  # trained by this run: a resumed one records from where it resumed
+    epochs_here = len(trajectory) - 1  # trained by this run: a resumed one records from where it resumed
     summary = {
         "stage": STAGE, "world_size": world_size, "backend": dist.get_backend() if dist.is_initialized() else None,
         "device": device.type, "global_batch": global_batch, "batch_size": args.batch_size, "epochs": args.epochs,
         "lr": args.lr, "dtype": args.dtype, "seed": args.seed, "steps": trainer.steps, "losses": trainer.losses,
         "eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_count": count,
         "replica_max_abs_diff": max_diff, "seconds": seconds,
-        "samples_per_s": epochs_here * len(trainer.train_loader) * global_batch / seconds, **facts,
+        "samples_per_s": epochs_here * len(trainer.train_loader) * global_batch / seconds,
+        # Samples an epoch trains on: more than the data where DistributedSampler pads (tour.replay_error follows it).
+        "epoch_samples": getattr(trainer.train_loader.sampler, "total_size", len(trainer.train_loader.dataset)),
+        **facts,
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     torch.save(model.state_dict(), args.out / "model.pt")
-    torch.save(trainer.trajectory, args.out / "trajectory.pt")
+    torch.save(list(trajectory), args.out / "trajectory.pt")
 
 
 def explain_peer_failure(error: RuntimeError, timeout: float) -> str | None:

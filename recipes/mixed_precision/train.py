@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -69,6 +70,17 @@ def prepare_dataloader(dataset: Dataset, batch_size: int, rank: int, world_size:
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
 
 
+def padding_note(n: int, world_size: int) -> str | None:
+    """What DistributedSampler does when the ranks cannot share the samples evenly, in one line (None if they can)."""
+    if n % world_size == 0:
+        return None
+    extra = world_size - n % world_size
+    return (f"note: {n} samples do not split evenly over {world_size} ranks: DistributedSampler repeats the first "
+            f"{extra} of each epoch's order, so every rank takes {(n + extra) // world_size} and an epoch trains on "
+            f"{n + extra} samples (stage 01's training on that order); drop_last=True would leave out the last "
+            f"{n % world_size} instead")
+
+
 class Trainer:
     def __init__(self, model: nn.Module, train_loader: DataLoader, optimizer: torch.optim.Optimizer,
                  device: torch.device, master_process: bool, autocast: torch.dtype = torch.bfloat16,
@@ -80,7 +92,6 @@ class Trainer:
         self.master_process = master_process  # rank 0 alone logs and saves
         self.losses: list[float] = []
         self.steps = 0
-        self.trajectory: list[dict] = []  # for the tour's replay: state_of() at the start and after each epoch
         self.autocast, self.clip_grad_norm = autocast, clip_grad_norm
         # float16 only: bfloat16 has float32's exponent range, so its gradients do not underflow (enabled=False
         # makes every scaler call below a no-op: scale() returns the loss as it is, step() is optimizer.step()).
@@ -116,15 +127,15 @@ class Trainer:
         dist.all_reduce(total)  # each rank saw different samples: the mean over ranks is stage 01's loss
         return total.item() / (len(self.train_loader) * dist.get_world_size())
 
-    def train(self, epochs: int) -> None:
-        self.trajectory.append(state_of(self.model, self.optimizer, 0))
+    def train(self, epochs: int, after_epoch: Callable[[int], None] | None = None) -> None:
         for epoch in range(epochs):
-            start = time.perf_counter()
+            start = clock(self.device)
             self.losses.append(self._run_epoch(epoch))
-            self.trajectory.append(state_of(self.model, self.optimizer, epoch + 1))
+            if after_epoch is not None:  # --out: the tour's recorder (below the line)
+                after_epoch(epoch + 1)
             if self.master_process:
                 print(f"epoch {epoch + 1}/{epochs} | train loss {self.losses[-1]:.4f} "
-                      f"| {time.perf_counter() - start:.2f}s")
+                      f"| {clock(self.device) - start:.2f}s")
 
 
 @torch.no_grad()
@@ -192,6 +203,14 @@ def pick_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
+def clock(device: torch.device) -> float:
+    """Seconds on a steady clock, read once the GPU has finished its queued work: CUDA runs asynchronously, so a
+    clock read without waiting would time the kernels' launches, not the kernels."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def ddp_setup(ddp: bool, device: torch.device, timeout: float) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any CUDA work, or every rank also allocates on GPU 0
@@ -213,15 +232,19 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         print(f"[{STAGE}] world size {world_size} | backend {dist.get_backend()} | device {device.type}{fallback} | "
               f"batch {args.batch_size} per rank, {args.batch_size * world_size} global | "
               f"{len(train_loader)} steps/epoch | autocast {args.autocast}")
+        if (note := padding_note(len(train_set), world_size)) is not None:  # 3 ranks, say: the sampler pads
+            print(note)
     raw_model = model  # keep the unwrapped model: it is what we evaluate and save
     # Sync point: the constructor broadcasts rank 0's weights, so every replica starts equal.
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     trainer = Trainer(model, train_loader, optimizer, device, master_process, AUTOCAST[args.autocast],
                       args.clip_grad_norm)
-    start = time.perf_counter()
-    trainer.train(args.epochs)
-    seconds = time.perf_counter() - start
+    # --out: the weights and momentum now and after every epoch, for the tour's replay (below the line)
+    trajectory = Trajectory(trainer) if args.out is not None else None
+    start = clock(device)
+    trainer.train(args.epochs, after_epoch=trajectory)
+    seconds = clock(device) - start
 
     loss_sum, correct, count = evaluate_distributed(raw_model, eval_set, device)
     max_diff = replica_max_abs_diff(raw_model)
@@ -232,7 +255,8 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
             print(f"clipped: {int(trainer.clipped_steps)} of {trainer.steps} steps had a gradient norm above "
                   f"{args.clip_grad_norm:g}")
     if master_process and args.out is not None:
-        save_run(args, trainer, raw_model, device, (loss_sum, correct, count), seconds, world_size, max_diff,
+        save_run(args, trainer, trajectory, raw_model, device, (loss_sum, correct, count), seconds,
+                 world_size, max_diff,
                  autocast=args.autocast, autocast_dtypes=trainer.dtypes, clip_grad_norm=args.clip_grad_norm,
                  clipped_steps=int(trainer.clipped_steps),
                  grad_scale=trainer.scaler.get_scale() if trainer.scaler.is_enabled() else None)
@@ -351,23 +375,42 @@ def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int) -> 
                          for p in params]}
 
 
-def save_run(args: argparse.Namespace, trainer, model: nn.Module, device: torch.device, evaluation: tuple,
-             seconds: float, world_size: int = 1, max_diff: float = 0.0, **facts) -> None:
+class Trajectory(list):
+    """--out: state_of() at the start and after every epoch, which tour.py replays. Made only with --out: each entry
+    copies the whole model (in 08 and 09 an all-gather of it), which a run that does not keep it must not pay for."""
+
+    def __init__(self, trainer) -> None:
+        super().__init__()
+        self.trainer = trainer
+        self(getattr(trainer, "epochs_run", 0))  # a resumed run (06-09) records from the epoch it resumed at
+
+    def __call__(self, epoch: int) -> None:  # Trainer.train calls it after every epoch
+        self.append(self.state(epoch))
+
+    def state(self, epoch: int) -> dict:
+        return state_of(self.trainer.model, self.trainer.optimizer, epoch)
+
+
+def save_run(args: argparse.Namespace, trainer, trajectory: list[dict], model: nn.Module, device: torch.device,
+             evaluation: tuple, seconds: float, world_size: int = 1, max_diff: float = 0.0, **facts) -> None:
     """--out: summary.json (the run in numbers), model.pt (the plain model) and trajectory.pt (for the replay)."""
     loss_sum, correct, count = evaluation
     global_batch = facts.pop("global_batch", args.batch_size * world_size)
-    epochs_here = len(trainer.trajectory) - 1  # trained by this run: a resumed one records from where it resumed
+    epochs_here = len(trajectory) - 1  # trained by this run: a resumed one records from where it resumed
     summary = {
         "stage": STAGE, "world_size": world_size, "backend": dist.get_backend() if dist.is_initialized() else None,
         "device": device.type, "global_batch": global_batch, "batch_size": args.batch_size, "epochs": args.epochs,
         "lr": args.lr, "dtype": args.dtype, "seed": args.seed, "steps": trainer.steps, "losses": trainer.losses,
         "eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_count": count,
         "replica_max_abs_diff": max_diff, "seconds": seconds,
-        "samples_per_s": epochs_here * len(trainer.train_loader) * global_batch / seconds, **facts,
+        "samples_per_s": epochs_here * len(trainer.train_loader) * global_batch / seconds,
+        # Samples an epoch trains on: more than the data where DistributedSampler pads (tour.replay_error follows it).
+        "epoch_samples": getattr(trainer.train_loader.sampler, "total_size", len(trainer.train_loader.dataset)),
+        **facts,
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     torch.save(model.state_dict(), args.out / "model.pt")
-    torch.save(trainer.trajectory, args.out / "trajectory.pt")
+    torch.save(list(trajectory), args.out / "trajectory.pt")
 
 
 def explain_peer_failure(error: RuntimeError, timeout: float) -> str | None:
