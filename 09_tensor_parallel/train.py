@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 STAGE = "09_tensor_parallel"
 N_TRAIN, N_EVAL = 4096, 1001  # 1001 is odd: the held-out set never splits evenly over 2, 4 or 8 ranks
@@ -124,9 +124,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool)
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
-def full_model(model: nn.Module, hidden: int) -> nn.Module:
-    """The whole model, assembled from every rank's shards, on every rank: a plain Net again."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # all-gathers each shard
+def full_model(model: nn.Module, hidden: int) -> nn.Module | None:
+    """The whole model as a plain Net on rank 0's CPU, None on the other ranks (every rank calls this): the shards are
+    sent unit by unit and only rank 0 keeps them (full_state_dict with cpu_offload), as when saving to one file."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
     with torch.device("meta"):  # no memory and no random draws: the weights come from `state`
         full = Net(hidden)
     full.load_state_dict(state, assign=True)
@@ -242,36 +245,23 @@ class Trainer:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset: Dataset, device: torch.device) -> tuple[float, float, int]:
-    """Return (sum of losses, number correct, number of samples) over `dataset`."""
+def evaluate_sharded(model: nn.Module, dataset: TensorDataset, device: torch.device, dp_rank: int, dp_size: int,
+                     group: dist.ProcessGroup | None = None) -> tuple[float, float, int]:
+    """evaluate_distributed() with the sharded model itself: no rank ever holds it whole. Its forward is a collective
+    (each unit all-gathers its weights), so every rank runs as many batches as the others, some maybe empty."""
     model.eval()
-    loss_sum, correct = 0.0, 0
-    for x, y in DataLoader(dataset, batch_size=256):
-        logits = model(x.to(device))
-        loss_sum += F.cross_entropy(logits, y.to(device), reduction="sum").item()
-        correct += (logits.argmax(dim=1).cpu() == y).sum().item()
+    mine = torch.arange(dp_rank, len(dataset), dp_size)  # samples r, r+dp, ...: each counted once
+    batches = -(-len(dataset) // (dp_size * 256))  # of at most 256 samples, the same number on every rank
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    for indices in mine.tensor_split(batches):
+        x, y = (t.to(device) for t in dataset[indices])
+        logits = model(x)
+        totals += torch.tensor([F.cross_entropy(logits, y, reduction="sum").item(),
+                                (logits.argmax(dim=1) == y).sum().item(), len(y)], dtype=torch.float64, device=device)
     model.train()
-    return loss_sum, correct, len(dataset)
-
-
-def evaluate_distributed(model: nn.Module, dataset: Dataset, device: torch.device) -> tuple[float, float, int]:
-    """evaluate() over the whole dataset, split across ranks; every sample counts exactly once."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    # Rank r scores samples r, r+W, ...: no padding (DistributedSampler would repeat samples
-    # to even out the ranks, and they would be counted twice). Then one all_reduce adds the sums.
-    shard = Subset(dataset, range(rank, len(dataset), world_size))
-    totals = torch.tensor(evaluate(model, shard, device), dtype=torch.float64, device=device)
-    dist.all_reduce(totals)
+    dist.all_reduce(totals, group=group)  # one sum over the dp ranks
     loss_sum, correct, count = totals.tolist()
     return loss_sum, correct, int(count)
-
-
-def replica_max_abs_diff(model: nn.Module) -> float:
-    """Gather every rank's parameters; return the largest difference from rank 0's."""
-    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
-    return max((g - gathered[0]).abs().max().item() for g in gathered)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -398,24 +388,22 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
     trainer.train(args.epochs, after_epoch=trajectory)
     seconds = clock(device) - start
 
-    full = full_model(model, args.hidden)  # on every rank: the plain Net a DDP replica would be
-    loss_sum, correct, count = evaluate_distributed(full, eval_set, device)
-    # No replicas to compare (each rank holds other shards); the FSDP analogue: every rank assembled the same model.
-    max_diff = replica_max_abs_diff(full)
+    # The tp ranks of a row score the same samples together: the sums are added over the dp rows only.
+    loss_sum, correct, count = evaluate_sharded(model, eval_set, device, dp_rank, dp_size, mesh.get_group("dp"))
     shards = what_each_rank_holds(model, optimizer)  # bytes and shapes of every rank's shards (below the line)
     collectives = {dim: collectives.get(dim, {}) for dim in ("dp", "tp")}
     if master_process:
         print(f"held-out: loss {loss_sum / count:.4f} | accuracy {correct / count:.2%} ({count} samples)")
-        print(f"assembled model: max |difference| from rank 0's = {max_diff:.3g} over {world_size} ranks")
         print_shards_and_collectives(shards, collectives, args.reshard_after_forward)
-    if master_process and args.out is not None:
-        save_run(args, trainer, trajectory, full, device, (loss_sum, correct, count), seconds, world_size, max_diff,
-                 global_batch=args.batch_size * dp_size, hidden=args.hidden,
-                 reshard_after_forward=args.reshard_after_forward, dp=dp_size, tp=args.tp, **shards,
-                 collectives_per_step=collectives, nodes=len({p["node"] for p in layout}), layout=layout,
-                 resumed_from_epoch=resumed_from, restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
-    if max_diff != 0:  # every rank computed the same max_diff, so all stop here together
-        raise RuntimeError(f"the ranks assembled different models (max |difference| {max_diff:.3g})")
+    if args.out is not None:  # model.pt: the whole model, gathered once at the end, onto rank 0's CPU only
+        full = full_model(model, args.hidden)
+        if master_process:  # no replicas to compare: each rank holds other pieces (replica_max_abs_diff: none)
+            save_run(args, trainer, trajectory, full, device, (loss_sum, correct, count), seconds, world_size, None,
+                     global_batch=args.batch_size * dp_size, hidden=args.hidden,
+                     reshard_after_forward=args.reshard_after_forward, dp=dp_size, tp=args.tp, **shards,
+                     collectives_per_step=collectives, nodes=len({p["node"] for p in layout}), layout=layout,
+                     resumed_from_epoch=resumed_from,
+                     restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -558,7 +546,7 @@ class Trajectory(list):
 
 
 def save_run(args: argparse.Namespace, trainer, trajectory: list[dict], model: nn.Module, device: torch.device,
-             evaluation: tuple, seconds: float, world_size: int = 1, max_diff: float = 0.0, **facts) -> None:
+             evaluation: tuple, seconds: float, world_size: int = 1, max_diff: float | None = 0.0, **facts) -> None:
     """--out: summary.json (the run in numbers), model.pt (the plain model) and trajectory.pt (for the replay)."""
     loss_sum, correct, count = evaluation
     global_batch = facts.pop("global_batch", args.batch_size * world_size)

@@ -16,8 +16,8 @@ from lesson_diffs import BLOCK, EXTENDS, diff
 
 # Pieces of the lesson every stage must carry word for word: the contract (data, model, evaluation), and from
 # stage 03 on the distributed pieces. The machinery after the boundary is checked whole (test_machinery_...).
-SHARED = ["make_data", "Net", "load_train_objs", "evaluate", "pick_device"]
-SHARED_DDP = ["prepare_dataloader", "evaluate_distributed", "replica_max_abs_diff"]
+SHARED = ["make_data", "Net", "load_train_objs", "evaluate", "pick_device", "clock"]
+SHARED_DDP = ["prepare_dataloader", "padding_note", "evaluate_distributed", "replica_max_abs_diff"]
 BOUNDARY = "# ═══ The lesson ends here ═══"
 # Stages with a model and data of their own: the contract above is stage 01's task; theirs is proven by their tests.
 OWN_MODEL = {"11_gpt": "a GPT on text: tests/test_gpt.py checks its DDP, FSDP, tp and resume against each other"}
@@ -29,7 +29,17 @@ EXPECTED_DIFFERENCES = {("07_model_parallel", "load_train_objs"): "builds the mo
                         ("09_tensor_parallel", "Net"): "08's: the width is a flag",
                         ("09_tensor_parallel", "load_train_objs"): "splits and shards the model on the mesh given",
                         ("10_pipeline_parallel", "load_train_objs"): "keeps this process's pipeline stage of the model",
-                        ("recipes/uneven_inputs", "prepare_dataloader"): "an unpadded, uneven sampler: the recipe"}
+                        **{(stage, name): "evaluates the sharded model (evaluate_sharded): no rank holds it whole"
+                           for stage in ("08_fsdp", "09_tensor_parallel")
+                           for name in ("evaluate", "evaluate_distributed")},
+                        **{(stage, "replica_max_abs_diff"): "no replicas: each rank holds other shards of one model"
+                           for stage in ("08_fsdp", "09_tensor_parallel")},
+                        **{("10_pipeline_parallel", name): "evaluates through the pipeline (evaluate_pipeline)"
+                           for name in ("evaluate", "evaluate_distributed")},
+                        ("10_pipeline_parallel", "replica_max_abs_diff"):
+                            "compares a stage's copies over the dp pipelines: the stages hold different layers",
+                        ("recipes/uneven_inputs", "prepare_dataloader"): "an unpadded, uneven sampler: the recipe",
+                        ("recipes/uneven_inputs", "padding_note"): "its sampler repeats no sample: ranks stay uneven"}
 
 
 def test_ruff_is_clean():
