@@ -491,7 +491,6 @@ def test_fault(outcomes, place, case):
     if isinstance(outcome, BaseException):
         raise outcome
     run = outcome.run
-    print(f"\nTIMING {case.id} {outcome.seconds:.1f} total {run.seconds:.1f} within {case.within}")
     where = f"{case.fault}\n{run.describe()}"
     assert run.returncode is not None, f"hung: {where}"
     if case.status is None:
