@@ -66,6 +66,11 @@ BEFORE_THE_TOUR_ENDS = ("test_benchmarks.py", "test_collectives.py")
 LAST = ("test_notebooks.py", "test_readme_commands.py", "test_faults.py")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--sweep", choices=("covering", "full"), default="covering",
+                     help="tests/test_settings.py: the covering table (CI) or the full grid of settings (~1 h)")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "readme_run(*commands): the test reads the runs of these README commands "
                                        "(conftest.readme_run) instead of launching the same again")

@@ -94,14 +94,3 @@ def test_k_micro_batches_of_the_ranks_are_stage_01s_batch(world, k):
         assert len(per_rank[0]) == len(steps)
         for step, ranks in zip(steps, zip(*per_rank, strict=True), strict=True):
             assert sorted(torch.cat(ranks).tolist()) == sorted(step.tolist())
-
-
-def test_a_short_last_step_is_refused_in_one_line(monkeypatch, capsys):
-    recipe = load_stage(RECIPE)
-    monkeypatch.setenv("WORLD_SIZE", "2")  # 2048 samples per rank
-    assert recipe.parse_args(["--batch-size", "16", "--accumulate", "4"]).accumulate == 4  # 64 divides 2048
-    with pytest.raises(SystemExit) as exit_:
-        recipe.parse_args(["--batch-size", "16", "--accumulate", "3"])  # 48 does not: 42 steps and 32 samples left
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err.count("\n") == 1
-    assert "argument --accumulate: " in err and "--batch-size" in err and "2048" in err

@@ -59,13 +59,13 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, default=Path("runs/your_model"))
     args = p.parse_args()
-    # torchrun started this process and set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: init reads them.
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device(args.device)
     if device.type == "cuda":  # one GPU per process: LOCAL_RANK is this process's number on its machine
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device)  # first: before init and any CUDA work, or every rank also uses GPU 0
+    # torchrun started this process and set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: init reads them.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
 
     train_set, eval_set = make_data()
     torch.manual_seed(0)
@@ -74,6 +74,10 @@ def main() -> None:
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sampler = DistributedSampler(train_set, shuffle=True)  # rank r takes every W-th sample of one shuffled order
+    if rank == 0 and len(train_set) % world_size:  # 3 ranks, say: it repeats a few samples so that all get as many
+        print(f"note: {len(train_set)} samples do not split evenly over {world_size} ranks: DistributedSampler "
+              f"repeats the first {world_size - len(train_set) % world_size} of each epoch's order "
+              f"(drop_last=True would leave out the last {len(train_set) % world_size} instead)")
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,  # batch_size: per rank
                         num_workers=args.num_workers, persistent_workers=args.num_workers > 0,
                         pin_memory=device.type == "cuda")  # page-locked memory: faster copies to a GPU

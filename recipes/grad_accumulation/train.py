@@ -115,17 +115,19 @@ class Trainer:
         self.sync_every_micro_batch = sync_every_micro_batch  # for comparison: all-reduce after every backward
 
     def _run_batch(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """One optimizer step over K micro-batches; returns the sum of their losses."""
+        """One optimizer step over up to K micro-batches; returns the mean loss over their samples."""
         self.optimizer.zero_grad(set_to_none=True)
+        samples = sum(len(y) for _, y in batches)  # K*b, or fewer in an epoch's last step
         losses = []
         for i, (x, y) in enumerate(batches):
             last = i == len(batches) - 1
             # Inside no_sync() backward only adds to .grad; the last backward all-reduces the sum of all K
             # (forward too must run inside it: DDP decides at forward whether the next backward syncs).
             with nullcontext() if last or self.sync_every_micro_batch else self.model.no_sync():
-                loss = F.cross_entropy(self.model(x), y)
-                # /K: the K micro-batch means add up to the mean over K*b samples (DDP then averages the W ranks)
-                (loss / self.accumulate).backward()  # sync point on the last: DDP all-reduces the gradient buckets
+                # The sum over the micro-batch / the step's samples: the K parts add up to the mean over the step's
+                # samples, even where the last step is short (DDP then averages the W ranks, each with as many).
+                loss = F.cross_entropy(self.model(x), y, reduction="sum") / samples
+                loss.backward()  # sync point on the last: DDP all-reduces the gradient buckets
             losses.append(loss.detach())
             self.micro_steps += 1
         self.optimizer.step()
@@ -135,14 +137,14 @@ class Trainer:
     def _run_epoch(self, epoch: int) -> float:
         self.train_loader.sampler.set_epoch(epoch)  # without it, every epoch repeats epoch 0's order
         total = torch.zeros((), device=self.device, dtype=torch.float64)  # float64 in either --dtype: stages compare it
-        batches = []
-        for x, y in self.train_loader:  # K consecutive micro-batches of every rank = stage 01's batch of W*K*b
-            batches.append((x.to(self.device), y.to(self.device)))
-            if len(batches) == self.accumulate:  # parse_args made the micro-batches a multiple of K
+        batches, steps = [], -(-len(self.train_loader) // self.accumulate)  # ceil: a short last step
+        for i, (x, y) in enumerate(self.train_loader):  # K consecutive micro-batches of every rank = stage 01's batch
+            batches.append((x.to(self.device), y.to(self.device)))  # of W*K*b; the epoch's last step maybe fewer
+            if len(batches) == self.accumulate or i == len(self.train_loader) - 1:
                 total += self._run_batch(batches)
                 batches = []
         dist.all_reduce(total)  # each rank saw different samples: the mean over ranks is stage 01's loss
-        return total.item() / (len(self.train_loader) * dist.get_world_size())
+        return total.item() / (steps * dist.get_world_size())
 
     def train(self, epochs: int, after_epoch: Callable[[int], None] | None = None) -> None:
         for epoch in range(epochs):
@@ -204,7 +206,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accumulate", type=positive(int), default=2, help="micro-batches of --batch-size per step")
     p.add_argument("--sync-every-micro-batch", action="store_true",
                    help="all-reduce after every micro-batch (no no_sync): same weights, K times the traffic")
-    return check_accumulate(p, check_args(p, p.parse_args(argv)))
+    return check_args(p, p.parse_args(argv))
 
 
 def pick_device(choice: str) -> torch.device:
@@ -241,8 +243,8 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         fallback = " (no GPU visible: using the CPU)" if args.device == "auto" and device.type == "cpu" else ""
         print(f"[{STAGE}] world size {world_size} | backend {dist.get_backend()} | device {device.type}{fallback} | "
               f"batch {args.batch_size} per rank x {args.accumulate} micro-batches, "
-              f"{args.batch_size * args.accumulate * world_size} global | {len(train_loader) // args.accumulate} "
-              f"steps/epoch")
+              f"{args.batch_size * args.accumulate * world_size} global | "
+              f"{-(-len(train_loader) // args.accumulate)} steps/epoch")
         if (note := padding_note(len(train_set), world_size)) is not None:  # 3 ranks, say: the sampler pads
             print(note)
     raw_model = model  # keep the unwrapped model: it is what we evaluate and save
@@ -448,17 +450,6 @@ def exit_without_teardown() -> None:
     sys.stderr.flush()
     os._exit(0)
 
-
-# ─── This recipe's own checks: --accumulate must split each rank's epoch into whole optimizer steps ───────────────
-
-
-def check_accumulate(p: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    per_rank = math.ceil(N_TRAIN / int(os.environ.get("WORLD_SIZE", 1)))  # samples DistributedSampler gives a rank
-    if args.accumulate > 1 and per_rank % (args.accumulate * args.batch_size):
-        p.error(f"argument --accumulate: {args.accumulate} micro-batches of --batch-size {args.batch_size} do not "
-                f"divide the {per_rank} samples a rank trains on per epoch (the last step would be short); use an "
-                f"--accumulate and --batch-size whose product divides {per_rank}")
-    return args
 
 
 if __name__ == "__main__":

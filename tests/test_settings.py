@@ -1,0 +1,277 @@
+"""The settings sweep: every script at settings the tour never picks, as a learner types them.
+
+The tour runs every stage at W = 2 with a global batch of 64, which divides the 4,096 samples. A learner brings
+W = 1, 3 or 4 processes, batches that leave a short last step (24, 25 or 33 per process), float32 or float64,
+other seeds and learning rates, micro-batch counts above and below the pipeline's stages, tensor-parallel degrees
+that tile the processes differently, and a checkpoint resumed on another number of processes. Each run must end in
+one of three honest ways, never in a traceback, a hang or a silently different training:
+
+- **replay**: it computes stage 01's training, checked as the tour checks it (every epoch replays with stage 01's
+  code within sqrt(eps)). Where the ranks cannot share the data evenly (W = 3), DistributedSampler repeats a few
+  samples: the run must say so before its first epoch, in one line naming how many, and the replay follows
+  exactly that order (the summary's `epoch_samples`, `tour.epoch_order`), so a run that repeats other samples, or
+  says nothing, fails;
+- **own**: a recipe whose training is not stage 01's by design (bf16 autocast, a model with BatchNorm, uneven
+  ranks, your own model): it must still end cleanly at these settings, say in its first lines what differs, and
+  learn;
+- **refuse**: one line on stderr naming the flag, exit 2, before training.
+
+Which settings: in CI a covering table, each script once at settings chosen so that every pair of values of
+(W, batch per process, dtype, seed and learning rate) appears somewhere in the table (a greedy pairwise cover,
+`covering()`), plus the rows that only some scripts have (pipeline and tensor-parallel layouts, resuming on
+another W). `pytest tests/test_settings.py --sweep=full` runs the full grid instead: every script at every
+combination its layout allows (hundreds of launches, about an hour on 2 cores).
+"""
+from __future__ import annotations
+
+import itertools
+import re
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from harness import ROOT, TORCHRUN, Run, Step, check, launch_commands, replay_error, tolerance
+
+N_TRAIN = 4096
+EPOCHS = 2  # the replay checks every epoch; two are enough to see a wrong order, batch or divisor
+WORLDS = (1, 3, 4)  # the tour's is 2
+BATCHES = (24, 25, 33)  # per process: none gives a global batch that divides 4,096 at W = 1, 3 or 4
+DTYPES = ("float64", "float32")
+SEED_LR = ((7, 0.02), (3, 0.1), (0, 0.05))
+FACTORS = {"world": WORLDS, "batch": BATCHES, "dtype": DTYPES, "seed_lr": SEED_LR}
+POOL = 2  # launches at once: most runs keep a core busy per process only part of the time
+
+
+@dataclass(frozen=True)
+class Setting:
+    script: str  # a folder with train.py ("04_ddp_torchrun", "recipes/compile") or a file ("ddp_by_hand/naive.py")
+    world: int
+    batch: int  # per process; the script's --batch-size is this times the processes that share a batch (tp, pp)
+    dtype: str
+    seed: int
+    lr: float
+    expect: str = "replay"  # "replay", "own" or "refuse"
+    extra: tuple[str, ...] = ()
+    variant: int = 0  # which of the script's layouts (pipeline and tensor-parallel degrees): see layout()
+    resume_from: int | None = None  # a first run at this W writes a checkpoint; this run resumes it at `world`
+    says: str = ""  # "own": what the run's first lines must say about how its training differs
+
+    @property
+    def id(self) -> str:
+        resume = f"-resumed-from-W{self.resume_from}" if self.resume_from else ""
+        flags = " ".join(layout(self.script, self.world, self.variant)[0])
+        return (f"{self.script.removesuffix('.py').replace('/', '.')}-W{self.world}{resume}-b{self.batch}-"
+                f"{self.dtype}-s{self.seed}-lr{self.lr:g}{(' ' + flags) if flags else ''}")
+
+
+# --- what each script is, and how it is launched at W processes ----------------------------------------------------
+
+SINGLE = ("01_single_gpu", "02_dataparallel")  # one process
+LAUNCHED = ("04_ddp_torchrun", "06_checkpoint", "07_model_parallel", "08_fsdp", "09_tensor_parallel",
+            "10_pipeline_parallel", "10_pipeline_parallel/by_hand.py", "ddp_by_hand/naive.py",
+            "ddp_by_hand/bucketed.py", "recipes/comm_hooks", "recipes/compile", "recipes/ddp_options",
+            "recipes/grad_accumulation", "recipes/mixed_precision", "recipes/sync_batchnorm", "recipes/uneven_inputs",
+            "your_model/ddp.py", "your_model/fsdp.py")
+SCRIPTS = (*SINGLE, "03_ddp_spawn", "05_multinode", *LAUNCHED)  # LAUNCHED: by torchrun
+# Training that is not stage 01's by design, and what the run's first lines say about it.
+OWN = {"recipes/mixed_precision": "autocast bfloat16", "recipes/sync_batchnorm": "SyncBatchNorm",
+       "recipes/uneven_inputs": "samples per rank", "your_model/ddp.py": "", "your_model/fsdp.py": ""}
+# Flags a script needs at a setting, and how many processes share one batch (tp or pp ranks see the same samples).
+RESUMABLE = {"06_checkpoint": "s.pt", "08_fsdp": "ck"}  # --snapshot: a file, a directory
+
+
+def layout(script: str, world: int, variant: int = 0) -> tuple[tuple[str, ...], int]:
+    """(extra flags, processes sharing a batch) for `script` at `world`; `variant` picks among the layouts."""
+    if script == "09_tensor_parallel":  # tp divides W and the 4 classes: W = 4 as dp 1 x tp 4, or dp 2 x tp 2
+        degrees = [d for d in (4, 2, 1) if world % d == 0]
+        tp = degrees[variant % len(degrees)]
+        return ("--tp", str(tp)), tp
+    if script.startswith("10_pipeline_parallel"):  # pp: a divisor of W, at most the 3 layers
+        most = max(d for d in (1, 2, 3) if world % d == 0)
+        pp, schedule, microbatches = ((most, "1f1b", 2 * most + 1),  # odd, above the stages
+                                      (most, "gpipe", max(most - 1, 1)),  # below the stages (GPipe allows it)
+                                      (1, "1f1b", 3))[variant % 3]  # no pipeline: dp alone
+        return ("--pp", str(pp), "--microbatches", str(microbatches), "--schedule", schedule), pp
+    if script == "recipes/grad_accumulation":
+        return ("--accumulate", "3"), 1  # with batch 24 to 33 and W = 3 or 4: a short last step, every epoch
+    if script == "recipes/ddp_options":
+        return ("--static-graph", "--gradient-as-bucket-view"), 1
+    return (), 1
+
+
+ALSO_ALONE = ("03_ddp_spawn", "04_ddp_torchrun", "08_fsdp")  # a group of one, as `--world-size 1` or plain python
+
+
+def allowed(script: str, world: int) -> bool:
+    return world == 1 if script in SINGLE else world > 1 or script in ALSO_ALONE
+
+
+def commands(s: Setting, out: Path, world: int | None = None, epochs: int = EPOCHS) -> tuple[list[list[str]], dict]:
+    """The command(s) of one run of `s` at `world` processes (default: s.world), and its environment."""
+    world = world or s.world
+    extra, share = layout(s.script, world, s.variant)
+    path = ROOT / s.script if s.script.endswith(".py") else ROOT / s.script / "train.py"
+    args = ["--device", "cpu", "--epochs", str(epochs), "--batch-size", str(s.batch * share), "--dtype", s.dtype,
+            "--seed", str(s.seed), "--lr", f"{s.lr:g}", *extra, *s.extra]
+    if s.script.startswith("your_model"):  # your own script: its own flags, no seed or dtype, --out always
+        args = ["--device", "cpu", "--epochs", str(epochs), "--batch-size", str(s.batch), "--lr", f"{s.lr:g}"]
+    if s.script in RESUMABLE:
+        args += ["--snapshot", str(out.parent / f"{out.name}-snapshot" / RESUMABLE[s.script])]
+    args += ["--out", str(out)]
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    if s.script in SINGLE or (s.script == "04_ddp_torchrun" and world == 1 and not s.resume_from):
+        return [[sys.executable, str(path), *args]], one_thread
+    if s.script == "03_ddp_spawn":
+        return [[sys.executable, str(path), "--world-size", str(world), *args]], one_thread
+    if s.script == "05_multinode":  # one "node" per process, all on this machine (as the tour runs it)
+        return Step("05_multinode", "torchrun", tuple(args), nproc=1, nnodes=world).commands(), one_thread
+    return [[*TORCHRUN, "--standalone", f"--nproc_per_node={world}", str(path), *args]], {}
+
+
+
+
+# --- the table -------------------------------------------------------------------------------------------------------
+
+def pairs(combo: dict) -> set:
+    return {((a, combo[a]), (b, combo[b])) for a, b in itertools.combinations(FACTORS, 2)}
+
+
+def covering() -> list[Setting]:
+    """Each script once, at the combination (among those its layout allows) that covers the most pairs of factor
+    values not covered yet: a greedy pairwise cover, the same on every run (no randomness)."""
+    uncovered = {pair for combo in grid() for pair in pairs(combo)}
+    used: dict = {}  # how often each value was taken: once every pair is covered, the least used come next
+    rows = []
+    for i, script in enumerate(SCRIPTS):
+        def chances(pair, later=SCRIPTS[i:]) -> int:  # the scripts still to come that can run the pair's W
+            world = dict(pair).get("world")
+            return sum(world is None or allowed(script, world) for script in later)
+
+        def score(c: dict, uncovered=frozenset(uncovered)) -> tuple[float, int]:  # the scarcest pairs first,
+            new = pairs(c) & uncovered  # then the values used least
+            return sum(1 / chances(pair) for pair in new), -sum(used.get(v, 0) for v in c.items())
+        options = [c for c in grid() if allowed(script, c["world"])]
+        best = max(options, key=score)
+        uncovered -= pairs(best)  # max() keeps the first of equals: the same table on every run
+        used.update({v: used.get(v, 0) + 1 for v in best.items()})
+        rows.append(setting(script, best))
+    assert not uncovered, f"pairs the table leaves out: {sorted(uncovered)}"
+    return rows
+
+
+def grid() -> list[dict]:
+    return [dict(zip(FACTORS, values, strict=True)) for values in itertools.product(*FACTORS.values())]
+
+
+def setting(script: str, combo: dict, **more) -> Setting:
+    seed, lr = combo["seed_lr"]
+    return Setting(script, combo["world"], combo["batch"], combo["dtype"], seed, lr,
+                   expect="own" if script in OWN else "replay", says=OWN.get(script, ""), **more)
+
+
+def layouts() -> list[Setting]:
+    """Rows only some scripts have: the other pipeline and tensor-parallel layouts, and resuming on another W."""
+    rows = []
+    for script, variants in (("10_pipeline_parallel", (1, 2)), ("10_pipeline_parallel/by_hand.py", (1, 2)),
+                             ("09_tensor_parallel", (1,))):
+        for variant in variants:
+            combo = {"world": (3, 4)[variant % 2], "batch": BATCHES[variant], "dtype": "float64",
+                     "seed_lr": SEED_LR[variant]}
+            rows.append(setting(script, combo, variant=variant))
+    # A checkpoint of W = 3 (batch 32 each: 96 a step) resumed by W = 4 (24 each: the same 96), and back.
+    rows.append(Setting("06_checkpoint", 4, 24, "float64", 5, 0.05, resume_from=3))
+    rows.append(Setting("08_fsdp", 3, 32, "float64", 5, 0.05, resume_from=4))
+    return rows
+
+
+def full() -> list[Setting]:
+    rows = [setting(script, combo) for script in SCRIPTS for combo in grid() if allowed(script, combo["world"])]
+    for script in ("09_tensor_parallel", "10_pipeline_parallel", "10_pipeline_parallel/by_hand.py"):
+        rows += [setting(script, combo, variant=v) for v in (1, 2) for combo in grid()
+                 if allowed(script, combo["world"])]
+    return rows + layouts()[-2:]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "setting" in metafunc.fixturenames:
+        rows = full() if metafunc.config.getoption("--sweep") == "full" else [*covering(), *layouts()]
+        metafunc.parametrize("setting", rows, ids=[r.id for r in rows])
+
+
+# --- running them, POOL at a time ------------------------------------------------------------------------------------
+
+@dataclass
+class Outcome:
+    run: Run
+    first: Run | None = None  # the run that wrote the checkpoint a resumed setting starts from
+    notes: list[str] = field(default_factory=list)
+
+
+def run_setting(s: Setting, tmp: Path) -> Outcome:
+    out = tmp / re.sub(r"[^\w.=-]", "_", s.id)
+    first = None
+    if s.resume_from:  # the same global batch on another W: the checkpoint's settings still match
+        batch = s.batch * s.world // s.resume_from
+        writer = Setting(s.script, s.resume_from, batch, s.dtype, s.seed, s.lr)
+        cmds, env = commands(writer, out, epochs=1)  # the same --snapshot path as the resumed run's
+        first = check(launch_commands(cmds, None, env, timeout=600))
+    cmds, env = commands(s, out, epochs=EPOCHS + 1 if s.resume_from else EPOCHS)
+    return Outcome(launch_commands(cmds, out, env, timeout=600), first)
+
+
+@pytest.fixture(scope="module")
+def outcomes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
+    chosen = [item.callspec.params["setting"] for item in request.session.items
+              if item.module is request.module and "setting" in getattr(item, "callspec", pytest).params]
+    tmp = tmp_path_factory.mktemp("settings")
+
+    def one(s: Setting) -> Outcome | BaseException:
+        try:
+            return run_setting(s, tmp)
+        except BaseException as e:  # noqa: BLE001 (pytest.fail's exception too: reported by the test that reads it)
+            return e
+    with ThreadPoolExecutor(max_workers=POOL) as pool:
+        return dict(zip([s.id for s in chosen], pool.map(one, chosen), strict=True))
+
+
+PADDING = re.compile(r"note: (\d+) samples do not split evenly over (\d+) ranks: DistributedSampler repeats the "
+                     r"first (\d+) of each epoch's order")
+
+
+def test_setting(setting: Setting, outcomes: dict[str, Outcome]) -> None:
+    outcome = outcomes[setting.id]
+    if isinstance(outcome, BaseException):
+        raise outcome
+    run = check(outcome.run)
+    before_training = run.stdout.split("epoch 1")[0]
+    # Where the ranks that share the data (dp) cannot split it evenly, the run says so before training, once.
+    dp = setting.world // layout(setting.script, setting.world, setting.variant)[1]
+    said = PADDING.findall(before_training)
+    if setting.script == "recipes/uneven_inputs":
+        assert not said, "the uneven-inputs recipe's sampler repeats nothing"
+    elif setting.world > 1 and N_TRAIN % dp:
+        assert said == [(str(N_TRAIN), str(dp), str(dp - N_TRAIN % dp))], \
+            f"expected one note, before training, that {dp} ranks pad the data:\n{run.stdout[:3000]}"
+    else:
+        assert not said and "do not split evenly" not in run.stdout, run.stdout[:3000]
+    if setting.expect == "own":
+        assert setting.says in before_training, f"the run should say '{setting.says}' before training"
+        accuracy = re.search(r"held-out[^\n]*?accuracy (\d+\.\d+)%", run.stdout)
+        assert accuracy and float(accuracy.group(1)) > 80, f"it should learn:\n{run.stdout[-2000:]}"
+        return
+    s = run.summary
+    padded = N_TRAIN + (dp - N_TRAIN % dp if N_TRAIN % dp else 0)
+    assert s["epoch_samples"] == padded, s["epoch_samples"]
+    assert s["global_batch"] == setting.world * setting.batch and s["dtype"] == setting.dtype
+    assert (s["seed"], s["lr"]) == (setting.seed, setting.lr)
+    trajectory = run.trajectory
+    start = 1 if setting.resume_from else 0  # a resumed run records from the checkpoint's epoch
+    end = EPOCHS + 1 if setting.resume_from else EPOCHS
+    assert [t["epoch"] for t in trajectory] == list(range(start, end + 1)), \
+        "one state at the start (or at the resumed epoch) and after every epoch"
+    replay = replay_error(s, trajectory)
+    assert replay <= tolerance(s["dtype"]), \
+        f"epoch replay {replay:.2e} > {tolerance(s['dtype']):.1e} ({s['dtype']}): not stage 01's training"
