@@ -45,7 +45,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -209,20 +210,27 @@ def parallelize(model: GPT, mesh: DeviceMesh, args: argparse.Namespace) -> nn.Mo
         for block in model.blocks:
             block.compile()
     if args.parallel == "fsdp":  # stage 08: each block a unit, gathered whole only while it computes
+        # --amp bf16: the shards stay float32 (the optimizer's), gathered as bfloat16 (half the bytes) for the
+        # forward and backward; the gradients are reduce-scattered in float32, so the average rounds as without it.
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.amp == "bf16" \
+            else MixedPrecisionPolicy()
         for block in model.blocks:
-            fully_shard(block, mesh=mesh["dp"])
-        return fully_shard(model, mesh=mesh["dp"])  # the rest (embeddings, final norm, head): the root unit
+            fully_shard(block, mesh=mesh["dp"], mp_policy=mp)
+        return fully_shard(model, mesh=mesh["dp"], mp_policy=mp)  # the rest (embeddings, norm, head): the root
     # Stages 03-06: a replica per rank; the constructor broadcasts rank 0's weights, backward averages gradients.
     return DDP(model, device_ids=[model.head.weight.device] if model.head.weight.is_cuda else None,
                process_group=mesh.get_group("dp"))
 
 
-def full_model(model: nn.Module, cfg: Config) -> GPT:
-    """The whole model, assembled from every rank's pieces, on every rank: a plain GPT again."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # gathers (no "module.")
+def full_model(model: nn.Module, cfg: Config) -> GPT | None:
+    """The whole model as a plain GPT on rank 0's CPU, None on the other ranks (every rank calls this): the pieces
+    are sent unit by unit and only rank 0 keeps them (full_state_dict with cpu_offload), as when saving one file."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
     with torch.device("meta"):  # no memory and no random draws: the weights come from `state`
         full = GPT(cfg)
-    full.load_state_dict(state, assign=True)
+    full.load_state_dict(state, assign=True)  # (no "module." prefix: get_model_state_dict drops DDP's)
     return full
 
 
@@ -331,10 +339,10 @@ class Trainer:
                   f"pass --max-steps {self.steps + 100} to train 100 more, or another --snapshot to start afresh")
         since, seconds, tokens_per_step = [], 0.0, self.global_batch * self.cfg.context
         while self.steps < max_steps:
-            start = time.perf_counter()
+            start = clock(self.device)  # (a GPU runs ahead of Python: the clock waits for its queued work)
             since.append(self._run_step())
             self.steps += 1
-            seconds += time.perf_counter() - start
+            seconds += clock(self.device) - start
             if self.steps % self.args.eval_every == 0 or self.steps == max_steps:
                 # The mean over the dp rows is the loss of the global batch (the tp ranks of a row hold the same).
                 losses = torch.stack(since)
@@ -362,43 +370,61 @@ class Trainer:
 
 
 @torch.no_grad()
-def held_out_loss(model: GPT, tokens: torch.Tensor, device: torch.device) -> tuple[float, int]:
-    """Sum of the losses on every held-out character but the first, in windows of the model's context, split
-    over the ranks (rank r scores windows r, r+W, ...: each counted once), then added up by one all_reduce."""
+def held_out_loss(model: nn.Module, tokens: torch.Tensor, context: int, mesh: DeviceMesh,
+                  device: torch.device) -> tuple[float, int]:
+    """Sum of the losses on every held-out character but the first, in windows of `context`, with the model as it
+    trains (sharded, split: no rank holds it whole). The dp rows share the windows (row r scores r, r+dp, ...: each
+    once; a row's tp ranks score the same ones together); every rank runs as many batches (FSDP's forward is a
+    collective: each unit all-gathers), some maybe empty; one all_reduce over dp adds the sums."""
     model.eval()
-    context, rank, world_size = model.cfg.context, dist.get_rank(), dist.get_world_size()
-    starts = list(range(0, len(tokens) - 1, context))[rank::world_size]
-    loss_sum, count = 0.0, 0
-    for i in range(0, len(starts), 32):
-        windows = [tokens[s:s + context + 1] for s in starts[i:i + 32]]
-        for n in sorted({len(w) for w in windows}):  # the text's last window is shorter: a batch of its own
-            batch = torch.stack([w for w in windows if len(w) == n]).to(device)
-            logits = model(batch[:, :-1]).double()
-            loss_sum += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
-            count += batch[:, 1:].numel()
-    totals = torch.tensor([loss_sum, count], dtype=torch.float64, device=device)
-    dist.all_reduce(totals)
+    dp_rank, dp = mesh.get_local_rank("dp"), mesh["dp"].size()
+    starts = torch.arange(0, len(tokens) - 1, context)
+    whole, tail = starts[starts + context + 1 <= len(tokens)], starts[starts + context + 1 > len(tokens)]
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for chunk in whole[dp_rank::dp].tensor_split(-(-len(whole) // (dp * 32))):  # batches of up to 32 windows
+        windows = tokens[chunk[:, None] + torch.arange(context + 1)].to(device)
+        logits = model(windows[:, :-1]).double()
+        totals += torch.tensor([F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten(), reduction="sum")
+                                .item(), windows[:, 1:].numel()], dtype=torch.float64, device=device)
+    for start in tail.tolist():  # the text's last window is shorter: every rank computes it, dp row 0 counts it
+        window = tokens[start:][None].to(device)
+        logits = model(window[:, :-1]).double()
+        if dp_rank == 0:
+            totals += torch.tensor([F.cross_entropy(logits[0], window[0, 1:], reduction="sum").item(),
+                                    window.shape[1] - 1], dtype=torch.float64, device=device)
+    if hasattr(model, "reshard"):  # FSDP2 keeps the root unit gathered after a forward, for a backward: none follows
+        model.reshard()
+    model.train()
+    dist.all_reduce(totals, group=mesh.get_group("dp"))
     return totals[0].item(), int(totals[1].item())
 
 
 @torch.no_grad()
-def sample(model: GPT, chars: str, length: int, seed: int, device: torch.device, temperature: float = 0.8) -> str:
-    """`length` characters, each drawn from the model's prediction given those before it (its last --context)."""
+def sample(model: nn.Module, chars: str, length: int, context: int, seed: int, device: torch.device,
+           temperature: float = 0.8) -> str:
+    """`length` characters, each drawn from the model's prediction given those before it (its last `context`).
+    Every rank runs it with the model as it trains (its forward is a collective): the same seed, the same logits
+    (every rank computes them whole), so the same characters."""
     model.eval()
     g = torch.Generator().manual_seed(seed)
     idx = torch.tensor([[chars.find("\n") if "\n" in chars else 0]], device=device)  # start as a line starts
     for _ in range(length):
-        logits = model(idx[:, -model.cfg.context:])[0, -1].double().cpu()
+        logits = model(idx[:, -context:])[0, -1].double().cpu()
         next_char = torch.multinomial((logits / temperature).softmax(-1), 1, generator=g)
         idx = torch.cat([idx, next_char.to(device)[None]], dim=1)
+    if hasattr(model, "reshard"):
+        model.reshard()
+    model.train()
     return "".join(chars[i] for i in idx[0, 1:].tolist())
 
 
-def replica_max_abs_diff(model: nn.Module) -> float:
-    """Gather every rank's parameters; return the largest difference from rank 0's."""
-    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
+def replica_max_abs_diff(model: nn.Module, group: dist.ProcessGroup) -> float:
+    """DDP's replicas over `group` (dp): gather every rank's parameters (with --tp, its own slices, which its dp
+    replicas hold too); return the largest difference from the first's."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    flat = torch.cat([p.detach().flatten() for p in local])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, flat, group=group)
     return max((g - gathered[0]).abs().max().item() for g in gathered)
 
 
@@ -441,6 +467,14 @@ def pick_device(choice: str) -> torch.device:
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(choice)
+
+
+def clock(device: torch.device) -> float:
+    """Seconds on a steady clock, read once the GPU has finished its queued work: CUDA runs asynchronously, so a
+    clock read without waiting would time the kernels' launches, not the kernels."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def restart_safe_store(timeout: float) -> dist.Store | None:
@@ -497,14 +531,15 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
             ranks = snapshot["world_size"]
             print(f"resumed from {snapshot['path']} (written by {ranks} rank{'s' if ranks > 1 else ''}) at step "
                   f"{trainer.steps}")
-    start = time.perf_counter()
+    start = clock(device)
     trainer.train(args.max_steps)
-    seconds = time.perf_counter() - start
+    seconds = clock(device) - start
 
-    full = full_model(model, cfg)  # on every rank: the plain GPT a DDP replica would be
-    loss_sum, count = held_out_loss(full, corpus.held_out, device)
-    max_diff = replica_max_abs_diff(full)  # every rank assembled the same model (DDP: the replicas agree)
+    loss_sum, count = held_out_loss(model, corpus.held_out, cfg.context, mesh, device)
+    # DDP's replicas must agree; FSDP has none to compare (each rank holds other shards): no gather of the model.
+    max_diff = replica_max_abs_diff(model, mesh.get_group("dp")) if args.parallel == "ddp" else None
     memory = peak_memory(model, optimizer, device)  # every rank's, gathered (below the line)
+    text = sample(model, corpus.chars, args.sample, cfg.context, args.seed, device) if args.sample else ""
     if master_process:
         loss = loss_sum / count
         print(f"held-out loss {loss:.4f} nats/char over {count:,} characters | bigram {floor['bigram']:.3f}, "
@@ -513,13 +548,14 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         print(f"peak memory per rank ({memory['how']}): " + " | ".join(
             f"rank {r} {m / 2**20:,.0f} MiB" for r, m in enumerate(memory["peak"])) + " | model state per rank "
             "(weights, gradients, AdamW's moments): " + " | ".join(f"{b / 2**20:.2f} MiB" for b in memory["state"]))
-        text = sample(full, corpus.chars, args.sample, args.seed, device) if args.sample else ""
         if text:
             print(f"sample ({args.sample} characters, temperature 0.8):\n{text}")
-        if args.out is not None:
+    if args.out is not None:  # model.pt: the whole model, gathered once at the end, onto rank 0's CPU only
+        full = full_model(model, cfg)
+        if master_process:
             write_run(args, trainer, full, floor, (loss, count), seconds, speed, memory, max_diff, text)
-    if max_diff != 0:  # every rank computed the same max_diff, so all stop here together
-        raise RuntimeError(f"the ranks assembled different models (max |difference| {max_diff:.3g})")
+    if max_diff:  # every rank of a dp group computed the same max_diff (all_gather), so they stop here together
+        raise RuntimeError(f"DDP's replicas diverged (max |difference| {max_diff:.3g})")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -174,3 +174,30 @@ def test_snapshots_are_handled_with_the_previous_stages_code(pair):
                "        print(f\"{STAGE}/train.py: error: argument --snapshot: {e}\", file=sys.stderr)\n"
                "        sys.exit(2)\n")
     assert all(refusal in inspect.getsource(stage.main) for stage in (first, then)), "the refusal in main() differs"
+
+
+GPU_PATH = re.compile(r"torch\.cuda|[\"']cuda")  # a script that can run on a GPU names it
+
+
+def clock_reads(tree: ast.AST) -> list[tuple[int, bool]]:
+    """(line, waits for the GPU) of every time.perf_counter() call: waits when the function it is in calls
+    torch.cuda.synchronize (as the stages' clock() does); a read at module level never waits."""
+    def calls(node: ast.AST, name: str) -> list[ast.Call]:
+        return [n for n in ast.walk(node) if isinstance(n, ast.Call) and ast.unparse(n.func) == name]
+    reads = []
+    for func in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]:
+        waits = bool(calls(func, "torch.cuda.synchronize"))
+        reads += [(c.lineno, waits) for c in calls(func, "time.perf_counter")]
+    inside = {line for line, _ in reads}
+    return reads + [(c.lineno, False) for c in calls(tree, "time.perf_counter") if c.lineno not in inside]
+
+
+@pytest.mark.parametrize("path", [p for p in sorted(ROOT.rglob("*.py")) if not ({"tests", ".venv", "runs"} &
+                                  set(p.relative_to(ROOT).parts)) and GPU_PATH.search(p.read_text())],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_clock_read_on_a_gpu_path_waits_for_the_gpu(path):
+    """CUDA runs asynchronously: a clock read while kernels are queued times their launches, not the kernels. In a
+    script that can run on a GPU, every time.perf_counter() is read in a function that synchronises first (clock());
+    scripts that never touch CUDA are left out."""
+    unsynced = [line for line, waits in clock_reads(ast.parse(path.read_text())) if not waits]
+    assert not unsynced, f"{path.relative_to(ROOT)}: clock read without waiting for the GPU at lines {unsynced}"

@@ -30,7 +30,8 @@ def test_stage_learns_and_reports(runs, name):
     assert s["losses"][-1] < s["losses"][0] / 10, s["losses"]
     assert s["eval_accuracy"] > 0.95 and s["eval_count"] == 1001
     assert s["seconds"] > 0 and s["samples_per_s"] > 0
-    assert s["replica_max_abs_diff"] == 0.0
+    # No replicas where each rank holds other pieces of the one model (08, 09): nothing to compare, nothing gathered.
+    assert s["replica_max_abs_diff"] == (None if name in ("08", "09") else 0.0)
 
 
 @pytest.mark.parametrize("name", ["03", "04"])
