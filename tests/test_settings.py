@@ -77,7 +77,7 @@ LAUNCHED = ("04_ddp_torchrun", "06_checkpoint", "07_model_parallel", "08_fsdp", 
             "your_model/ddp.py", "your_model/fsdp.py")
 SCRIPTS = (*SINGLE, "03_ddp_spawn", "05_multinode", *LAUNCHED)  # LAUNCHED: by torchrun
 # Training that is not stage 01's by design, and what the run's first lines say about it.
-OWN = {"recipes/mixed_precision": "autocast bfloat16", "recipes/sync_batchnorm": "SyncBatchNorm",
+OWN = {"recipes/mixed_precision": "autocast bfloat16", "recipes/sync_batchnorm": "with a BatchNorm",
        "recipes/uneven_inputs": "samples per rank", "your_model/ddp.py": "", "your_model/fsdp.py": ""}
 # Flags a script needs at a setting, and how many processes share one batch (tp or pp ranks see the same samples).
 RESUMABLE = {"06_checkpoint": "s.pt", "08_fsdp": "ck"}  # --snapshot: a file, a directory
@@ -97,6 +97,8 @@ def layout(script: str, world: int, variant: int = 0) -> tuple[tuple[str, ...], 
         return ("--pp", str(pp), "--microbatches", str(microbatches), "--schedule", schedule), pp
     if script == "recipes/grad_accumulation":
         return ("--accumulate", "3"), 1  # with batch 24 to 33 and W = 3 or 4: a short last step, every epoch
+    if script == "recipes/sync_batchnorm":  # SyncBatchNorm needs GPUs (refused on the CPU in one line)
+        return ("--batchnorm", "local"), 1
     if script == "recipes/ddp_options":
         return ("--static-graph", "--gradient-as-bucket-view"), 1
     return (), 1
@@ -265,7 +267,9 @@ def test_setting(setting: Setting, outcomes: dict[str, Outcome]) -> None:
     s = run.summary
     padded = N_TRAIN + (dp - N_TRAIN % dp if N_TRAIN % dp else 0)
     assert s["epoch_samples"] == padded, s["epoch_samples"]
-    assert s["global_batch"] == setting.world * setting.batch and s["dtype"] == setting.dtype
+    flags = layout(setting.script, setting.world, setting.variant)[0]
+    accumulate = int(flags[flags.index("--accumulate") + 1]) if "--accumulate" in flags else 1
+    assert s["global_batch"] == setting.world * setting.batch * accumulate and s["dtype"] == setting.dtype
     assert (s["seed"], s["lr"]) == (setting.seed, setting.lr)
     trajectory = run.trajectory
     start = 1 if setting.resume_from else 0  # a resumed run records from the checkpoint's epoch

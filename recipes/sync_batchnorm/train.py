@@ -220,7 +220,7 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         fallback = " (no GPU visible: using the CPU)" if args.device == "auto" and device.type == "cpu" else ""
         print(f"[{STAGE}] world size {world_size} | backend {dist.get_backend()} | device {device.type}{fallback} | "
               f"batch {args.batch_size} per rank, {args.batch_size * world_size} global | "
-              f"{len(train_loader)} steps/epoch")
+              f"{len(train_loader)} steps/epoch | stage 01's model with a BatchNorm ({args.batchnorm} statistics)")
         if (note := padding_note(len(train_set), world_size)) is not None:  # 3 ranks, say: the sampler pads
             print(note)
     raw_model = model  # keep the unwrapped model: it is what we evaluate and save
