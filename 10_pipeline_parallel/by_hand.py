@@ -4,9 +4,11 @@ What torch.distributed.pipelining does for train.py, in the open: each stage rec
 activations, computes, sends its own on; later it receives the gradient of its output, runs its
 backward, and sends the gradient of its input back. GPipe runs every forward, then every backward;
 1F1B runs (pp - stage - 1) forwards to fill the pipeline, then one forward and one backward in
-turn, so a stage holds at most pp - stage micro-batches' activations instead of all of them. The
-same weights as train.py, bit for bit (tests/test_pipeline.py), and a timeline of every forward
-and backward with --out (benchmarks/pipeline_bubble.py draws it).
+turn, so a stage holds at most pp - stage micro-batches' activations instead of all of them. Between
+two computations a stage sends what it made and receives what it needs next in one batch_isend_irecv,
+which cannot wait on itself where a send completes only once it is received (NCCL). The same weights
+as train.py, bit for bit (tests/test_pipeline.py), and a timeline of every forward and backward with
+--out (benchmarks/pipeline_bubble.py draws it).
 
     torchrun --standalone --nproc_per_node=2 10_pipeline_parallel/by_hand.py --schedule gpipe --out runs/10_gpipe
 """
@@ -38,9 +40,9 @@ N_TRAIN, N_EVAL = 4096, 1001  # 1001 is odd: the held-out set never splits evenl
 N_FEATURES, N_CLASSES, HIDDEN = 8, 4, 64
 DTYPES = {"float32": torch.float32, "float64": torch.float64}  # --dtype
 N_LAYERS = 3  # Linear layers in Net: a pipeline has at most one stage per layer
-SCHEDULES = ("gpipe", "1f1b")  # --schedule
 STAGE_LAYERS = {1: [["body.0", "head.0", "head.2"]], 2: [["body.0"], ["head.0", "head.2"]],  # by --pp
                 3: [["body.0"], ["head.0"], ["head.2"]]}
+IGNORE = -100  # the label of a padding row: cross_entropy's ignore_index leaves it out of the loss and its gradients
 
 
 def make_data(seed: int, dtype: torch.dtype = torch.float32) -> tuple[TensorDataset, TensorDataset]:
@@ -103,78 +105,129 @@ def padding_note(n: int, world_size: int) -> str | None:
             f"{n % world_size} instead")
 
 
-class Pipe:
-    """One stage's side of the pipeline: its layers, its neighbours, and what it keeps between forward and backward."""
+class BatchMeanLoss:
+    """The loss of one micro-batch as its share of the batch's mean: the sum over its rows divided by the batch's
+    samples. Summed over the micro-batches, however the batch was cut, it is the batch's mean cross-entropy, as in
+    stage 01 (a mean per micro-batch, averaged, would weigh a short micro-batch's samples more)."""
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, dtype: torch.dtype) -> None:
-        self.model, self.dtype, self.group = model, dtype, mesh.get_group("pp")
+    def __init__(self) -> None:
+        self.samples = 1  # set before each batch: its real samples, padding not counted
+
+    def __call__(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, y, ignore_index=IGNORE, reduction="sum") / self.samples
+
+
+def padded(x: torch.Tensor, y: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch with padding rows up to `rows`: zeros for the features, IGNORE for the label (they add nothing)."""
+    extra = rows - len(y)
+    return torch.cat([x, x.new_zeros(extra, *x.shape[1:])]), torch.cat([y, y.new_full((extra,), IGNORE)])
+
+
+class Pipe:
+    """One stage's side of the pipeline: its layers, its neighbours, what it keeps between a micro-batch's forward
+    and its backward, and the messages it exchanges with its neighbours between two computations."""
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, loss_fn: BatchMeanLoss) -> None:
+        self.model, self.loss_fn, self.group = model, loss_fn, mesh.get_group("pp")
+        weight = next(model.parameters())
+        self.dtype, self.device = weight.dtype, weight.device
         stage, stages = mesh.get_local_rank("pp"), mesh["pp"].size()
         self.first, self.last = stage == 0, stage == stages - 1
-        # send/recv name global ranks: those of the previous and the next stage of this pipeline.
+        # Messages name global ranks: those of the previous and the next stage of this pipeline.
         self.prev = None if self.first else dist.get_global_rank(self.group, stage - 1)
         self.next = None if self.last else dist.get_global_rank(self.group, stage + 1)
+        self.received: dict[tuple[str, int], torch.Tensor] = {}  # ("F", m): activations in; ("B", m): a gradient in
         self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (input, output) for backward
         self.peak_held = 0  # the most micro-batches whose activations this stage held at once
-        self.sends: list[dist.Work] = []  # asynchronous sends, waited for at the end of the step
         self.timeline: list[tuple[str, int, float, float]] = []  # (F or B, micro-batch, start, end): compute only
+        self.losses: list[torch.Tensor] = []  # the last stage's, per micro-batch of the step (and its logits below)
+        self.logits: list[torch.Tensor] = []
+        # Sync point, once: on NCCL a group's first collective call creates its communicator and needs every rank of
+        # the group; a batch of messages between two neighbours must not be that call (batch_isend_irecv's note).
+        dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
 
-    def forward(self, m: int, x: torch.Tensor, y: torch.Tensor, losses: list[torch.Tensor]) -> None:
-        if self.first:
-            inputs = x
-        else:  # sync point: wait for the previous stage's activations of micro-batch m
-            inputs = torch.empty(len(y), self.model[0].in_features, dtype=self.dtype, device=y.device)
-            dist.recv(inputs, self.prev, group=self.group)
-            inputs.requires_grad_()  # its gradient is what we send back
-        start = time.perf_counter()
+    def run(self, order: list[tuple[str, int]], xs: tuple, ys: tuple) -> None:
+        """One step: the forwards ("F", m) and backwards ("B", m) in a schedule's `order`. Before each, one exchange
+        with the neighbours: what the computation before made goes out, what this one needs comes in."""
+        self.losses, self.logits = [], []
+        outgoing = None  # (tensor, peer): what the computation just done made for a neighbour
+        for kind, m in order:
+            self.exchange(outgoing, (kind, m), len(ys[m]))
+            outgoing = self.forward(m, xs[m], ys[m]) if kind == "F" else self.backward(m)
+        self.exchange(outgoing, None, 0)
+
+    def exchange(self, outgoing: tuple | None, coming: tuple[str, int] | None, rows: int) -> None:
+        """Send `outgoing` and receive the input of the `coming` computation, posted together.
+
+        A send may complete only once its receiver takes it: so on NCCL above its eager size, which also runs the
+        messages of a communicator in order, one after another. Two stages that each sent first and only then received
+        would wait for each other for ever: in 1F1B, stage 0 sends the activations of micro-batch 1 and waits for the
+        gradient of 0, while stage 1 sends that gradient and waits for those activations. One batch_isend_irecv posts a
+        send and a receive at once, and 1F1B's steady state pairs them with one neighbour: after F(m) the activations
+        of m go down and the gradient of the next backward comes up; after B(k) the gradient of k goes up and the
+        activations of the next forward come down."""
+        ops = []
+        if outgoing is not None:
+            tensor, peer = outgoing
+            ops.append(dist.P2POp(dist.isend, tensor, peer, self.group))
+        kind, m = coming if coming is not None else (None, None)
+        if kind == "F" and not self.first:  # the activations of micro-batch m, from the previous stage
+            self.received[coming] = torch.empty(rows, self.model[0].in_features, dtype=self.dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, self.received[coming], self.prev, self.group))
+        if kind == "B" and not self.last:  # the gradient of micro-batch m's output, from the next stage
+            self.received[coming] = torch.empty_like(self.held[m][1])
+            ops.append(dist.P2POp(dist.irecv, self.received[coming], self.next, self.group))
+        if ops:  # sync point: the receive has arrived, and the send's buffer may be used again
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    def forward(self, m: int, x: torch.Tensor, y: torch.Tensor) -> tuple | None:
+        inputs = x if self.first else self.received.pop(("F", m)).requires_grad_()  # its gradient is sent back
+        start = clock(self.device)
         outputs = self.model(inputs)
         if self.last:
-            outputs = F.cross_entropy(outputs, y)  # the loss: its backward starts here
-            losses.append(outputs.detach())
-        # Stamped before the send: the next stage stamps its start after its recv, so always later.
-        self.timeline.append(("F", m, start, time.perf_counter()))
-        if not self.last:
-            self.sends.append(dist.isend(outputs.detach(), self.next, group=self.group))
-        self.held[m] = (inputs, outputs)  # the activations autograd keeps until this micro-batch's backward
-        self.peak_held = max(self.peak_held, len(self.held))
+            self.logits.append(outputs.detach())
+            outputs = self.loss_fn(outputs, y)  # the loss: its backward starts here
+            self.losses.append(outputs.detach())
+        self.timeline.append(("F", m, start, clock(self.device)))  # compute only: stamped before the send
+        if outputs.requires_grad:  # training (evaluation runs under no_grad): kept until this micro-batch's backward
+            self.held[m] = (inputs, outputs)
+            self.peak_held = max(self.peak_held, len(self.held))
+        return None if self.last else (outputs.detach(), self.next)
 
-    def backward(self, m: int) -> None:
+    def backward(self, m: int) -> tuple | None:
         inputs, outputs = self.held.pop(m)
-        grad = None
-        if not self.last:  # sync point: wait for the next stage's gradient of our output
-            grad = torch.empty_like(outputs)
-            dist.recv(grad, self.next, group=self.group)
-        start = time.perf_counter()
+        grad = None if self.last else self.received.pop(("B", m))  # the gradient of our output, from the next stage
+        start = clock(self.device)
         outputs.backward(grad)  # accumulates into .grad: the micro-batches' gradients add up
-        self.timeline.append(("B", m, start, time.perf_counter()))
-        if not self.first:
-            self.sends.append(dist.isend(inputs.grad, self.prev, group=self.group))
+        self.timeline.append(("B", m, start, clock(self.device)))
+        return None if self.first else (inputs.grad, self.prev)
 
 
-def gpipe(pipe: Pipe, xs: list, ys: list, losses: list) -> None:
+def gpipe(microbatches: int, stage: int, stages: int) -> list[tuple[str, int]]:
     """All forwards, then all backwards: every stage holds every micro-batch's activations at its peak."""
-    for m in range(len(ys)):
-        pipe.forward(m, xs[m], ys[m], losses)
-    for m in range(len(ys)):
-        pipe.backward(m)
+    return [("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)]
 
 
-def one_f_one_b(pipe: Pipe, xs: list, ys: list, losses: list, stage: int, stages: int) -> None:
+def one_f_one_b(microbatches: int, stage: int, stages: int) -> list[tuple[str, int]]:
     """Warm-up forwards to fill the pipeline, then one forward and one backward in turn, then the last backwards."""
-    warmup = min(stages - stage - 1, len(ys))  # the last stage starts its backwards at once
-    for m in range(warmup):
-        pipe.forward(m, xs[m], ys[m], losses)
-    for m in range(warmup, len(ys)):  # steady state: at most warmup + 1 micro-batches held
-        pipe.forward(m, xs[m], ys[m], losses)
-        pipe.backward(m - warmup)
-    for m in range(len(ys) - warmup, len(ys)):  # cool-down
-        pipe.backward(m)
+    warmup = min(stages - stage - 1, microbatches)  # the last stage starts its backwards at once
+    order = [("F", m) for m in range(warmup)]
+    for m in range(warmup, microbatches):  # steady state: at most warmup + 1 micro-batches held
+        order += [("F", m), ("B", m - warmup)]
+    return order + [("B", m) for m in range(microbatches - warmup, microbatches)]  # cool-down
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}  # --schedule: the order of a stage's forwards and backwards
 
 
 class Trainer:
-    def __init__(self, schedule: str, model: nn.Module, train_loader: DataLoader, optimizer: torch.optim.Optimizer,
-                 device: torch.device, master_process: bool, mesh: DeviceMesh, microbatches: int) -> None:
-        self.schedule = schedule  # "gpipe" or "1f1b": the order of the micro-batches' forwards and backwards
-        self.pipe = Pipe(model, mesh, next(model.parameters()).dtype)
+    def __init__(self, schedule: str, loss_fn: BatchMeanLoss, model: nn.Module, train_loader: DataLoader,
+                 optimizer: torch.optim.Optimizer, device: torch.device, master_process: bool, mesh: DeviceMesh,
+                 rows: int, microbatches: int) -> None:
+        self.pipe = Pipe(model, mesh, loss_fn)  # runs one batch's micro-batches through the pipeline
+        self.loss_fn = loss_fn  # the pipe's: told each batch's number of samples
+        self.rows = rows  # every batch is padded to this many rows: M equal micro-batches, as in train.py
         self.microbatches = microbatches
         self.model = model  # this process's stage: a run of the model's layers
         self.train_loader = train_loader
@@ -184,23 +237,21 @@ class Trainer:
         self.mesh = mesh
         self.first = mesh.get_local_rank("pp") == 0  # takes the samples
         self.last = mesh.get_local_rank("pp") == mesh["pp"].size() - 1  # takes the labels, computes the loss
+        # This stage's order of forwards and backwards in every step: "F0", "F1", "B0", ... (gpipe or 1f1b)
+        self.order = SCHEDULES[schedule](microbatches, mesh.get_local_rank("pp"), mesh["pp"].size())
         self.losses: list[float] = []
         self.steps = 0
 
     def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
-        losses: list[torch.Tensor] = []  # the last stage's loss of each micro-batch
-        xs, ys = x.chunk(self.microbatches), y.chunk(self.microbatches)
+        # As train.py: the loss of a micro-batch is its share of the batch's mean, the batch padded to `rows`.
+        self.loss_fn.samples = len(y)
+        x, y = padded(x, y, self.rows)
+        xs, ys = torch.tensor_split(x, self.microbatches), torch.tensor_split(y, self.microbatches)  # as torch cuts
         self.pipe.timeline.clear()  # the last step's is kept: --out writes it
-        if self.schedule == "gpipe":
-            gpipe(self.pipe, xs, ys, losses)
-        else:
-            one_f_one_b(self.pipe, xs, ys, losses, self.mesh.get_local_rank("pp"), self.mesh["pp"].size())
-        for work in self.pipe.sends:  # every send done before the tensors it reads can change
-            work.wait()
-        self.pipe.sends.clear()
-        for p in self.model.parameters():  # the sum over the micro-batches, divided once: the batch's mean
-            p.grad /= self.microbatches
+        # Sync points: each micro-batch's activations go to the next stage and its gradients come back (messages
+        # between neighbours). The gradients add up over the micro-batches: the batch's mean, as the loss is.
+        self.pipe.run(self.order, xs, ys)
         # Sync point: the same stage of every pipeline averages its gradients, once per batch, after the last
         # micro-batch (averaging after each one would add M averages: M times too large a step).
         for p in self.model.parameters():
@@ -208,7 +259,7 @@ class Trainer:
             p.grad /= self.mesh["dp"].size()
         self.optimizer.step()  # this stage's weights only
         self.steps += 1
-        return torch.stack(losses).mean().detach() if self.last else torch.zeros((), device=self.device)
+        return torch.stack(self.pipe.losses).sum().detach() if self.last else torch.zeros((), device=self.device)
 
     def _run_epoch(self, epoch: int) -> float:
         self.train_loader.sampler.set_epoch(epoch)  # without it, every epoch repeats epoch 0's order
@@ -230,35 +281,35 @@ class Trainer:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset: Dataset, device: torch.device) -> tuple[float, float, int]:
-    """Return (sum of losses, number correct, number of samples) over `dataset`."""
-    model.eval()
-    loss_sum, correct = 0.0, 0
-    for x, y in DataLoader(dataset, batch_size=256):
-        logits = model(x.to(device))
-        loss_sum += F.cross_entropy(logits, y.to(device), reduction="sum").item()
-        correct += (logits.argmax(dim=1).cpu() == y).sum().item()
-    model.train()
-    return loss_sum, correct, len(dataset)
-
-
-def evaluate_distributed(model: nn.Module, dataset: Dataset, device: torch.device) -> tuple[float, float, int]:
-    """evaluate() over the whole dataset, split across ranks; every sample counts exactly once."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    # Rank r scores samples r, r+W, ...: no padding (DistributedSampler would repeat samples
-    # to even out the ranks, and they would be counted twice). Then one all_reduce adds the sums.
-    shard = Subset(dataset, range(rank, len(dataset), world_size))
-    totals = torch.tensor(evaluate(model, shard, device), dtype=torch.float64, device=device)
+def evaluate_pipeline(trainer: Trainer, dataset: Dataset) -> tuple[float, float, int]:
+    """evaluate() through the pipeline itself (no stage ever holds the whole model): each dp pipeline scores samples
+    r, r+dp, ... in batches of the training shape, the last stage adds up its losses and correct answers, and one
+    all_reduce adds every pipeline's (the other stages add zeros)."""
+    dp_rank, dp = trainer.mesh.get_local_rank("dp"), trainer.mesh["dp"].size()
+    totals = torch.zeros(3, dtype=torch.float64, device=trainer.device)
+    trainer.loss_fn.samples = 1  # the sum of the losses, not their mean
+    forwards = [("F", m) for m in range(trainer.microbatches)]  # forward only, micro-batch after micro-batch
+    for x, y in DataLoader(Subset(dataset, range(dp_rank, len(dataset), dp)), batch_size=trainer.rows):
+        xp, yp = padded(x.to(trainer.device), y.to(trainer.device), trainer.rows)
+        # Sync points: the stages' messages, as in training.
+        trainer.pipe.run(forwards, torch.tensor_split(xp, trainer.microbatches),
+                         torch.tensor_split(yp, trainer.microbatches))
+        if trainer.last:
+            logits = torch.cat(trainer.pipe.logits)
+            correct = (logits[:len(y)].argmax(dim=1).cpu() == y).sum().item()
+            totals += torch.tensor([torch.stack(trainer.pipe.losses).sum().item(), correct, len(y)],
+                                   dtype=torch.float64, device=trainer.device)
     dist.all_reduce(totals)
     loss_sum, correct, count = totals.tolist()
     return loss_sum, correct, int(count)
 
 
-def replica_max_abs_diff(model: nn.Module) -> float:
-    """Gather every rank's parameters; return the largest difference from rank 0's."""
+def replica_max_abs_diff(model: nn.Module, group: dist.ProcessGroup | None = None) -> float:
+    """Gather the parameters of every rank of `group` (here: one stage's copies in the dp pipelines); return the
+    largest difference from the first's."""
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, flat, group=group)
     return max((g - gathered[0]).abs().max().item() for g in gathered)
 
 
@@ -279,7 +330,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="pipeline stages: processes that split the layers (default: the most, up to the model's "
                         f"{N_LAYERS} layers, that divides the world size)")
     p.add_argument("--microbatches", type=positive(int), default=4, help="micro-batches per --batch-size")
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+    p.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",
                    help="gpipe: all forwards, then all backwards; 1f1b: one forward, one backward in turn")
     args = check_args(p, p.parse_args(argv))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -289,9 +340,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"argument --pp: {args.pp} must divide the world size {world_size} (the mesh is dp x pp processes) "
                 f"and be at most the model's {N_LAYERS} layers; use one of "
                 f"{[d for d in range(1, N_LAYERS + 1) if world_size % d == 0]}")
-    if args.batch_size % args.microbatches:
-        p.error(f"argument --microbatches: {args.microbatches} does not divide --batch-size {args.batch_size} "
-                f"(every micro-batch the same size); use a divisor of {args.batch_size}")
+    if args.microbatches > args.batch_size:
+        p.error(f"argument --microbatches: {args.microbatches} micro-batches of a --batch-size {args.batch_size} "
+                f"would leave some without a sample; use --microbatches {args.batch_size} or fewer")
     if args.schedule == "1f1b" and args.microbatches < args.pp:
         p.error(f"argument --microbatches: 1f1b needs at least one micro-batch per stage ({args.pp}), or its warm-up "
                 f"never ends; use --microbatches {args.pp} or more, or --schedule gpipe")
@@ -340,42 +391,51 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
     train_set, eval_set, model, optimizer = load_train_objs(args, device, pp_rank)
     # The data is split over the dp pipelines only: the stages of a pipeline work on the same samples.
     train_loader = prepare_dataloader(train_set, args.batch_size, dp_rank, dp_size, args.seed)
+    rows = -(-args.batch_size // args.microbatches) * args.microbatches  # a batch padded to M equal micro-batches
+    last = len(train_loader.sampler) % args.batch_size  # the real rows of an epoch's last batch (0: a full one)
     if master_process:
         fallback = " (no GPU visible: using the CPU)" if args.device == "auto" and device.type == "cpu" else ""
         print(f"[{STAGE}] world size {world_size} = dp {dp_size} x pp {args.pp} | backend {dist.get_backend()} | "
               f"device {device.type}{fallback} | batch {args.batch_size} per pipeline = {args.microbatches} "
-              f"micro-batches of {args.batch_size // args.microbatches}, {args.batch_size * dp_size} global | "
+              f"micro-batches of {rows // args.microbatches}, {args.batch_size * dp_size} global | "
               f"schedule {args.schedule} | {len(train_loader)} steps/epoch")
         if (note := padding_note(len(train_set), dp_size)) is not None:  # 3 ranks, say: the sampler pads
             print(note)
+        if rows != args.batch_size or last:  # rows the loss ignores: the same training, a little more compute
+            print(f"note: batches are padded to {rows} rows for the schedule's fixed shapes ({args.batch_size} samples"
+                  + (f"; {last} in each epoch's last batch" if last else "") + "); the padding rows count for nothing")
         for p in layout:
             print(f"  node {p['node']} ({p['host']}) | local rank {p['local_rank']} | global rank {p['rank']} | "
                   f"dp {p['dp']} pp {p['pp']}: layers {' '.join(STAGE_LAYERS[args.pp][p['pp']])}")
     # Every rank built the same weights from the seed; the dp pipelines stay equal: they average their gradients.
-    trainer = Trainer(args.schedule, model, train_loader, optimizer, device, master_process, mesh, args.microbatches)
+    loss_fn = BatchMeanLoss()  # summed over the micro-batches, the batch's mean: so the gradients need no scaling
+    trainer = Trainer(args.schedule, loss_fn, model, train_loader, optimizer, device, master_process, mesh, rows,
+                      args.microbatches)
     # --out: the weights and momentum now and after every epoch, for the tour's replay (below the line)
-    trajectory = Trajectory(trainer) if args.out is not None else None
+    trajectory = WholeTrajectory(trainer) if args.out is not None else None
     start = clock(device)
     trainer.train(args.epochs, after_epoch=trajectory)
     seconds = clock(device) - start
+    timelines = gather_timelines(trainer.pipe)  # the last step's; a collective: every rank calls it, not rank 0 alone
 
-    full = Net().to(device, DTYPES[args.dtype])  # on every rank: the whole model, from every stage's weights
-    with torch.no_grad():
-        for p, whole in zip(full.parameters(), trainer.trajectory[-1]["params"], strict=True):
-            p.copy_(whole)
-    loss_sum, correct, count = evaluate_distributed(full, eval_set, device)
-    max_diff = replica_max_abs_diff(full)  # every rank assembled the same model (and the dp pipelines agree)
+    loss_sum, correct, count = evaluate_pipeline(trainer, eval_set)
+    # The copies of a stage in the dp pipelines averaged the same gradients, so they must be equal: the largest
+    # difference of any stage, agreed by every rank (max over all), so that all stop below together if it is not 0.
+    max_diff = torch.tensor(replica_max_abs_diff(model, mesh.get_group("dp")))
+    dist.all_reduce(max_diff, op=dist.ReduceOp.MAX)
+    max_diff = max_diff.item()
     if master_process:
         print(f"held-out: loss {loss_sum / count:.4f} | accuracy {correct / count:.2%} ({count} samples)")
-        print(f"assembled model: max |difference| from rank 0's = {max_diff:.3g} over {world_size} ranks")
-    timelines = gather_timelines(trainer.pipe)  # a collective: every rank calls it, not rank 0 alone
-    if master_process and args.out is not None:
-        save_run(args, trainer, trajectory, full, device, (loss_sum, correct, count), seconds, world_size, max_diff,
-                 global_batch=args.batch_size * dp_size, dp=dp_size, pp=args.pp, microbatches=args.microbatches,
-                 schedule=args.schedule, nodes=len({p["node"] for p in layout}), layout=layout,
-                 **timelines)
-    if max_diff != 0:  # every rank computed the same max_diff, so all stop here together
-        raise RuntimeError(f"the ranks assembled different models (max |difference| {max_diff:.3g})")
+        print(f"pipelines: max |difference| of a stage from its copy in pipeline 0 = {max_diff:.3g} over {dp_size}")
+    if args.out is not None:  # every rank of a pipeline: its stages gathered into one model, for model.pt
+        full = gathered_model(model, mesh, args.pp, args.dtype)
+        if master_process:
+            save_run(args, trainer, trajectory, full, device, (loss_sum, correct, count), seconds, world_size,
+                     max_diff, global_batch=args.batch_size * dp_size, dp=dp_size, pp=args.pp,
+                     microbatches=args.microbatches, schedule=args.schedule, nodes=len({p["node"] for p in layout}),
+                     layout=layout, **timelines)
+    if max_diff != 0:
+        raise RuntimeError(f"the pipelines' copies of a stage differ (max |difference| {max_diff:.3g})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -508,7 +568,7 @@ class Trajectory(list):
 
 
 def save_run(args: argparse.Namespace, trainer, trajectory: list[dict], model: nn.Module, device: torch.device,
-             evaluation: tuple, seconds: float, world_size: int = 1, max_diff: float = 0.0, **facts) -> None:
+             evaluation: tuple, seconds: float, world_size: int = 1, max_diff: float | None = 0.0, **facts) -> None:
     """--out: summary.json (the run in numbers), model.pt (the plain model) and trajectory.pt (for the replay)."""
     loss_sum, correct, count = evaluation
     global_batch = facts.pop("global_batch", args.batch_size * world_size)
@@ -553,12 +613,28 @@ def exit_without_teardown() -> None:
 # The tour replays the whole model's epochs, but each process holds one stage: gather them, in the model's order.
 
 
-def whole_state_of(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, mesh: DeviceMesh) -> dict:
-    """state_of() of the whole model: every stage's weights and momentum, gathered over the pipeline, in order."""
-    pieces: list[dict] = [{} for _ in range(mesh["pp"].size())]
-    dist.all_gather_object(pieces, state_of(model, optimizer, epoch), group=mesh.get_group("pp"))
-    return {"epoch": epoch, "params": [t for piece in pieces for t in piece["params"]],
-            "momentum": [t for piece in pieces for t in piece["momentum"]]}
+class WholeTrajectory(Trajectory):
+    """Trajectory of the whole model: every stage's weights and momentum, gathered over the pipeline, in order."""
+
+    def state(self, epoch: int) -> dict:
+        pieces: list[dict] = [{} for _ in range(self.trainer.mesh["pp"].size())]
+        dist.all_gather_object(pieces, state_of(self.trainer.model, self.trainer.optimizer, epoch),
+                               group=self.trainer.mesh.get_group("pp"))
+        return {"epoch": epoch, "params": [t for piece in pieces for t in piece["params"]],
+                "momentum": [t for piece in pieces for t in piece["momentum"]]}
+
+
+def gathered_model(model: nn.Module, mesh: DeviceMesh, pp: int, dtype: str) -> nn.Module:
+    """--out: stage 01's Net from every stage's layers, gathered by name over the pipeline (each rank of it calls)."""
+    names = STAGE_LAYERS[pp][mesh.get_local_rank("pp")]  # this stage's Linear layers, in Net's names
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    mine = {f"{name}.{k}": v.detach().cpu() for name, layer in zip(names, linears, strict=True)
+            for k, v in layer.state_dict().items()}
+    pieces: list[dict] = [{} for _ in range(pp)]
+    dist.all_gather_object(pieces, mine, group=mesh.get_group("pp"))
+    full = Net().to(torch.device("cpu"), DTYPES[dtype])
+    full.load_state_dict({k: v for piece in pieces for k, v in piece.items()})  # strict: every layer, once
+    return full
 
 
 def gather_timelines(pipe: Pipe) -> dict:

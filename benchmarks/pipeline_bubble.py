@@ -49,45 +49,29 @@ def theory(p: int, m: int) -> float:
     return (p - 1) / (m + p - 1)
 
 
-class Order:
-    """A stand-in for by_hand.Pipe that only writes down the order in which a schedule calls it."""
-
-    def __init__(self) -> None:
-        self.actions: list[tuple[str, int]] = []
-        self.held, self.peak_held = 0, 0
-
-    def forward(self, m: int, x, y, losses) -> None:
-        self.actions.append(("F", m))
-        self.held += 1
-        self.peak_held = max(self.peak_held, self.held)
-
-    def backward(self, m: int) -> None:
-        self.actions.append(("B", m))
-        self.held -= 1
+def held_at_peak(order: list[tuple[str, int]]) -> int:
+    """The most micro-batches whose activations a stage holds at once, running `order` (held from F to B)."""
+    held = peak = 0
+    for kind, _ in order:
+        held += 1 if kind == "F" else -1
+        peak = max(peak, held)
+    return peak
 
 
 def slot_clock(hand, schedule: str, p: int, m: int, forward: int = 1, backward: int = 2) -> dict:
     """Play one step of `schedule` on p stages: each action starts when its stage is free and its input has arrived
     (F of stage s after F of stage s-1, B of stage s after B of stage s+1). Returns the timelines and the bubble."""
-    orders = []
-    for stage in range(p):
-        order = Order()
-        xs = ys = [None] * m
-        if schedule == "gpipe":
-            hand.gpipe(order, xs, ys, [])
-        else:
-            hand.one_f_one_b(order, xs, ys, [], stage, p)
-        orders.append(order)
+    orders = [hand.SCHEDULES[schedule](m, stage, p) for stage in range(p)]  # by_hand's order for each stage
     done: dict[tuple[str, int, int], float] = {}  # (kind, micro-batch, stage) -> end slot
     free = [0.0] * p
     timelines: list[list[tuple[str, int, float, float]]] = [[] for _ in range(p)]
     position = [0] * p
-    while any(position[s] < len(orders[s].actions) for s in range(p)):
+    while any(position[s] < len(orders[s]) for s in range(p)):
         progressed = False
         for s in range(p):
-            if position[s] == len(orders[s].actions):
+            if position[s] == len(orders[s]):
                 continue
-            kind, mb = orders[s].actions[position[s]]
+            kind, mb = orders[s][position[s]]
             needs = ("F", mb, s - 1) if kind == "F" and s > 0 else ("B", mb, s + 1) if kind == "B" and s < p - 1 \
                 else ("F", mb, s) if kind == "B" else None  # the last stage's backward follows its own forward
             if needs is not None and needs not in done:
@@ -99,7 +83,7 @@ def slot_clock(hand, schedule: str, p: int, m: int, forward: int = 1, backward: 
             position[s] += 1
             progressed = True
         assert progressed, f"{schedule} deadlocks with p={p}, m={m}"
-    return {"timelines": timelines, "bubble": bubble(timelines), "peak_held": [o.peak_held for o in orders]}
+    return {"timelines": timelines, "bubble": bubble(timelines), "peak_held": [held_at_peak(o) for o in orders]}
 
 
 def bubble(timelines: list[list[tuple]]) -> float:
@@ -119,20 +103,17 @@ def wall_clock(hand, args: argparse.Namespace, schedule: str, m: int) -> dict:
     mine = nn.Sequential(*[module for block in blocks[stage * args.layers // stages:(stage + 1) * args.layers // stages]
                            for module in block])
     mesh = init_device_mesh("cpu", (1, stages), mesh_dim_names=("dp", "pp"))
-    pipe = hand.Pipe(mine, mesh, torch.float32)
+    loss_fn = hand.BatchMeanLoss()
+    loss_fn.samples = m * args.microbatch_size
+    pipe = hand.Pipe(mine, mesh, loss_fn)
+    order = hand.SCHEDULES[schedule](m, stage, stages)
     g = torch.Generator().manual_seed(1)
-    xs = list(torch.randn(m * args.microbatch_size, args.width, generator=g).chunk(m))
-    ys = list(torch.randint(0, args.width, (m * args.microbatch_size,), generator=g).chunk(m))
+    xs = torch.randn(m * args.microbatch_size, args.width, generator=g).tensor_split(m)
+    ys = torch.randint(0, args.width, (m * args.microbatch_size,), generator=g).tensor_split(m)
     for _ in range(args.warmup + args.steps):
         pipe.timeline.clear()
         dist.barrier()  # every stage starts the step together
-        if schedule == "gpipe":
-            hand.gpipe(pipe, xs, ys, [])
-        else:
-            hand.one_f_one_b(pipe, xs, ys, [], stage, stages)
-        for work in pipe.sends:
-            work.wait()
-        pipe.sends.clear()
+        pipe.run(order, xs, ys)
         mine.zero_grad(set_to_none=True)
     every: list = [None] * stages  # raw perf_counter stamps: one clock for every process of this machine
     dist.all_gather_object(every, pipe.timeline)
