@@ -1,4 +1,4 @@
-"""All-reduce written from scratch on torch.distributed point-to-point messages (isend / irecv).
+"""All-reduce written from scratch on torch.distributed point-to-point messages (batch_isend_irecv).
 
 Three versions of the same collective: afterwards every rank holds the element-wise sum of
 every rank's tensor, like dist.all_reduce(tensor) (op SUM).
@@ -20,8 +20,16 @@ Traffic per rank, for a tensor of N bytes on W ranks:
 The ring functions work for any W >= 1, any number of elements (0 included, not only multiples of
 W) and any dtype torch can add. They must be called by every rank of the default process group, in
 the same order, like any collective.
+
+Safe where a send completes only once it is received (NCCL, above its eager size, which also runs a
+communicator's messages in order on one stream): a ring step's send to the right and receive from the
+left are posted together, in one batch_isend_irecv. Posted one after the other, every rank could wait
+for its right neighbour to take its chunk while that neighbour waits for its own right one, round the
+ring. tests/test_sync_sends.py runs them on gloo made synchronous and in order (tests/sync_sends.py).
 """
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -54,6 +62,16 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(-1)
 
 
+def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> list:
+    """Send `send` to rank dst and receive `recv` from rank src at once, in one batch_isend_irecv; return its works.
+
+    A send and a receive posted together cannot wait on each other, whatever the transport does. An empty tensor is
+    left out, by sender and receiver alike (both know the chunk sizes); with nothing left, nothing is posted."""
+    ops = ([dist.P2POp(dist.isend, send, dst)] if send.numel() else []) + \
+          ([dist.P2POp(dist.irecv, recv, src)] if recv.numel() else [])
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
 def ring_all_reduce_simple(tensor: torch.Tensor) -> None:
     """Sum `tensor` over all ranks, in place: the ring algorithm as the textbooks draw it."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -69,24 +87,18 @@ def ring_all_reduce_simple(tensor: torch.Tensor) -> None:
     for step in range(world - 1):
         send_c, recv_c = chunks[(rank - step) % world], chunks[(rank - step - 1) % world]
         received = torch.empty_like(recv_c)
-        # isend, not send: every rank sends and receives at once. With a blocking send each rank
-        # could wait for its right neighbour to receive, and round the ring nobody receives.
-        # Empty chunks (fewer elements than ranks) are skipped by sender and receiver alike.
-        work = dist.isend(send_c, right) if send_c.numel() else None
-        if recv_c.numel():
-            dist.recv(received, left)
-            recv_c += received
-        if work is not None:
+        # Send and receive at once (exchange): every rank sends and receives in the same step. Sent first and
+        # received after, each rank could wait for its right neighbour to take its chunk, and round the ring
+        # nobody takes one.
+        for work in exchange(send_c, right, received, left):
             work.wait()
+        recv_c += received
 
     # All-gather. At step s rank r sends chunk r+1-s (the summed one it got last) and receives the summed
     # chunk r-s, which simply overwrites its own partial copy. After W-1 steps every rank has every chunk.
     for step in range(world - 1):
         send_c, recv_c = chunks[(rank + 1 - step) % world], chunks[(rank - step) % world]
-        work = dist.isend(send_c, right) if send_c.numel() else None
-        if recv_c.numel():
-            dist.recv(recv_c, left)
-        if work is not None:
+        for work in exchange(send_c, right, recv_c, left):
             work.wait()
 
 
@@ -110,10 +122,13 @@ def ring_all_reduce(tensor: torch.Tensor, piece_bytes: int = PIECE_BYTES) -> Non
 
     Step t = 0 .. 2W-3 covers both phases: t < W-1 is scatter-reduce step t, t >= W-1 all-gather
     step t-(W-1). In both, rank r sends chunk r-t and receives chunk r-t-1 (mod W), and the chunk
-    received at step t is the one sent at step t+1. So as soon as piece k of step t has arrived (and,
-    while scatter-reducing, been added in), it is sent on as piece k of step t+1, while the rest of
-    step t is still in flight: the pieces stream round the ring instead of whole chunks waiting
-    for each other, and the adds overlap with the transfers.
+    received at step t is the one sent at step t+1. Each chunk is cut into pieces, and piece k of
+    step t is one exchange: its send to the right and its receive from the left, posted together.
+    Every rank posts them in the same order, step by step and piece by piece, so each one meets its
+    neighbours' piece k of step t. As soon as piece k of step t has arrived (and, while scatter-reducing,
+    been added in), piece k of step t+1, which sends it on, is posted, while the rest of step t is still
+    in flight: the pieces stream round the ring instead of whole chunks waiting for each other, and the
+    adds overlap with the transfers.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if world == 1:
@@ -124,36 +139,34 @@ def ring_all_reduce(tensor: torch.Tensor, piece_bytes: int = PIECE_BYTES) -> Non
     right, left = (rank + 1) % world, (rank - 1) % world
     steps = 2 * (world - 1)
     longest = len(chunks[0])
-    per_step = -(-longest // piece)  # pieces in the longest chunk: tag = t * per_step + k is unique
-    # Two scatter-reduce receive buffers used in turn: step t+1 receives into one while step t's pieces
-    # are still being added from the other.
-    scratch = [_buffer("ring0", longest, flat), _buffer("ring1", longest, flat)]
+    per_step = -(-longest // piece)  # pieces in the longest chunk: every step is cut into as many (some empty)
+    # Scatter-reduce receives into scratch and adds. One buffer is enough: piece k of step t+1 is posted only once
+    # piece k of step t has been added in, and the pieces in flight meanwhile are other pieces of it.
+    scratch = _buffer("ring", longest, flat)
 
-    def pieces(chunk: torch.Tensor) -> list[torch.Tensor]:
-        return [chunk[i:i + piece] for i in range(0, len(chunk), piece)]
+    def post(t: int, k: int) -> tuple[int, torch.Tensor, torch.Tensor, list]:
+        """Post piece k of step t: (t, the piece of the result it fills, where it lands, its works)."""
+        sent = chunks[(rank - t) % world][k * piece:(k + 1) * piece]  # empty past the chunk's end
+        target = chunks[(rank - t - 1) % world][k * piece:(k + 1) * piece]
+        # All-gather receives straight into the result: no buffer, no copy.
+        into = scratch[k * piece:k * piece + len(target)] if t < world - 1 else target
+        return t, target, into, exchange(sent, right, into, left)
 
-    def post_receives(t: int) -> list[tuple[torch.Tensor, torch.Tensor, object]]:
-        """Post step t's receives now, so that data can land as soon as the left neighbour sends it."""
-        target = chunks[(rank - t - 1) % world]
-        # Scatter-reduce receives into scratch and adds; all-gather receives straight into the result.
-        into = scratch[t % 2][:len(target)] if t < world - 1 else target
-        # A distinct tag per (step, piece): which message is which never depends on arrival order.
-        return [(dst, src, dist.irecv(src, left, tag=t * per_step + k))
-                for k, (dst, src) in enumerate(zip(pieces(target), pieces(into), strict=True))]
-
-    sends = [dist.isend(p, right, tag=k) for k, p in enumerate(pieces(chunks[rank]))]  # step 0: own chunk r
-    pending = post_receives(0)
-    for t in range(steps):
-        following = post_receives(t + 1) if t + 1 < steps else []  # double buffering: next step's receives
-        for k, (dst, src, work) in enumerate(pending):
+    def finish(t: int, target: torch.Tensor, into: torch.Tensor, works: list) -> None:
+        for work in works:
             work.wait()
-            if t < world - 1:
-                dst.add_(src)  # in place: no temporary tensor; dst is a view into the caller's tensor
-            if t + 1 < steps:  # pass the piece on: it is piece k of the chunk step t+1 sends
-                sends.append(dist.isend(dst, right, tag=(t + 1) * per_step + k))
-        pending = following
-    for work in sends:  # the right neighbour has received everything; our buffers may be reused
-        work.wait()
+        if t < world - 1:
+            target.add_(into)  # in place: no temporary tensor; target is a view into the caller's tensor
+
+    in_flight: deque = deque()  # posted pieces, in the order posted: (step, piece) ascending
+    for t in range(steps):
+        for k in range(per_step):
+            # Piece k of step t sends what piece k of step t-1 received: that one, and those before it, must be done.
+            while in_flight and in_flight[0][0] <= (t - 1, k):
+                finish(*in_flight.popleft()[1])
+            in_flight.append(((t, k), post(t, k)))
+    while in_flight:  # the left neighbour's last pieces have arrived; our buffers may be reused
+        finish(*in_flight.popleft()[1])
 
 
 def ps_all_reduce(tensor: torch.Tensor) -> None:
@@ -168,6 +181,8 @@ def ps_all_reduce(tensor: torch.Tensor) -> None:
     if world == 1 or tensor.numel() == 0:
         return
     flat = _flat(tensor)
+    # No order here can wait on itself, even where a send completes only once it is received: the others send, then
+    # receive; rank 0 takes every tensor before it sends any back.
     if rank == 0:
         bufs = [_buffer(f"ps{src}", flat.numel(), flat) for src in range(1, world)]
         works = [dist.irecv(buf, src) for src, buf in enumerate(bufs, start=1)]

@@ -2,20 +2,24 @@
 
     python collectives/check.py --world-size 3
     python collectives/check.py --world-size 4 --out runs/check4     # also write one JSON file per rank
+    torchrun --standalone --nproc_per_node=3 collectives/check.py   # one rank per torchrun process instead
 
-Starts W processes (mp.spawn, gloo on the CPU). Every rank runs every case: each algorithm of
-allreduce.py on awkward sizes (empty, 1 element, fewer elements than ranks, primes, a multiple of W,
-pieces of uneven length) and several dtypes, and compares its result with dist.all_reduce of the same
-input and with the sum computed locally from every rank's input (each rank can regenerate them all,
-they come from seeded generators). Integers must match exactly; floats to rounding (the algorithms
-add in different orders). Prints one line per mismatch, then a verdict; exits 1 if anything differs.
+Starts W processes (mp.spawn, gloo on the CPU), or under torchrun is one of its processes. Every rank
+runs every case: each algorithm of allreduce.py on awkward sizes (empty, 1 element, fewer elements
+than ranks, primes, a multiple of W, pieces of uneven length) and several dtypes, and compares its
+result with dist.all_reduce of the same input and with the sum computed locally from every rank's
+input (each rank can regenerate them all, they come from seeded generators). Integers must match
+exactly; floats to rounding (the algorithms add in different orders). Prints one line per mismatch,
+then a verdict; exits 1 if anything differs.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -92,30 +96,49 @@ def run_cases(rank: int, world: int, seed: int) -> list[dict]:
     return results
 
 
+def check_rank(rank: int, world: int, args: argparse.Namespace) -> int:
+    """Every case on this rank, in a process group that exists already; returns the mismatches over all ranks."""
+    results = run_cases(rank, world, args.seed)
+    bad = [r for r in results if not (r["matches_all_reduce"] and r["matches_expected"])]
+    for r in bad:
+        print(f"rank {rank}: MISMATCH {r['algorithm']} {r['dtype']} numel={r['numel']} "
+              f"(max |diff| vs all_reduce {r['max_abs_diff_all_reduce']:.3g})", flush=True)
+    if args.out is not None:
+        report = {"world_size": world, "rank": rank, "torch": torch.__version__, "cases": results}
+        (args.out / f"rank{rank}.json").write_text(json.dumps(report, indent=1) + "\n")
+    failures = torch.tensor([len(bad)])
+    dist.all_reduce(failures)  # the total over all ranks
+    if rank == 0:
+        n = len(results)
+        print(f"world size {world}: {n - len(bad)}/{n} cases per rank agree with dist.all_reduce "
+              f"({', '.join(ALGORITHMS)}; {', '.join(DTYPES)}; sizes {sizes(world)})" +
+              ("" if failures.item() == 0 else f"\nFAILED: {failures.item()} mismatches over {world} ranks"),
+              flush=True)
+    return failures.item()
+
+
 def worker(rank: int, world: int, args: argparse.Namespace, verdict: mp.SimpleQueue) -> None:
     with gloo_group(rank, world, args.port, args.timeout):
-        results = run_cases(rank, world, args.seed)
-        bad = [r for r in results if not (r["matches_all_reduce"] and r["matches_expected"])]
-        for r in bad:
-            print(f"rank {rank}: MISMATCH {r['algorithm']} {r['dtype']} numel={r['numel']} "
-                  f"(max |diff| vs all_reduce {r['max_abs_diff_all_reduce']:.3g})", flush=True)
-        if args.out is not None:
-            report = {"world_size": world, "rank": rank, "torch": torch.__version__, "cases": results}
-            (args.out / f"rank{rank}.json").write_text(json.dumps(report, indent=1) + "\n")
-        failures = torch.tensor([len(bad)])
-        dist.all_reduce(failures)  # the total over all ranks
+        failures = check_rank(rank, world, args)
         if rank == 0:
-            verdict.put(failures.item())
-            n = len(results)
-            print(f"world size {world}: {n - len(bad)}/{n} cases per rank agree with dist.all_reduce "
-                  f"({', '.join(ALGORITHMS)}; {', '.join(DTYPES)}; sizes {sizes(world)})" +
-                  ("" if failures.item() == 0 else f"\nFAILED: {failures.item()} mismatches over {world} ranks"))
+            verdict.put(failures)
     exit_worker()
+
+
+def under_torchrun(args: argparse.Namespace) -> None:
+    """Started by torchrun (tests/sync_sends.py runs the check so): this process is one rank; exit 1 on any mismatch."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    failures = check_rank(dist.get_rank(), dist.get_world_size(), args)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(1 if failures else 0)  # as exit_worker: past interpreter teardown, which can abort gloo's threads
 
 
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="collectives/check.py", description=__doc__.splitlines()[0])
-    p.add_argument("--world-size", type=positive(int), default=4, help="processes to start (default 4)")
+    p.add_argument("--world-size", type=positive(int), default=4,
+                   help="processes to start (default 4); under torchrun, its --nproc_per_node instead")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="write rank<r>.json (every case's result) here")
     p.add_argument("--timeout", type=positive(float), default=60.0,
@@ -123,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.out is not None:
         p.check_out_writable(args.out)  # fail now, not after measuring
+    if "RANK" in os.environ:  # torchrun started this process: its world size, not --world-size
+        under_torchrun(args)
     args.port = free_port()
     verdict = mp.get_context("spawn").SimpleQueue()  # rank 0 puts the number of mismatches here
     mp.spawn(worker, args=(args.world_size, args, verdict), nprocs=args.world_size)  # worker(rank, ...)
