@@ -13,6 +13,9 @@ then --steps steps under torch.profiler, in turns with the others, --rounds time
     communication      the all-reduces on gloo's worker threads (gloo:all_reduce), from start to end
     hidden             the communication time during which backward compute ran on the same rank
     overlap            hidden / communication: 1 = every all-reduce ran under backward, 0 = none did
+    exposed            communication - hidden
+    waited             on the main thread, from backward's last operator to the optimizer step: what the step
+                       waited for, measured apart from gloo's threads (at least their all-reduce time after backward)
 
 Configurations: "hand" is bucketed.HandDDP, "ddp" torch's DistributedDataParallel with the same buckets, and
 "hand, after backward" the negative control: the same HandDDP code, but every all-reduce launched only after
@@ -31,6 +34,7 @@ import argparse
 import csv
 import gzip
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -52,7 +56,8 @@ import bucketed  # noqa: E402
 from cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive  # noqa: E402
 
 COLUMNS = ["name", "impl", "bucket_mb", "first_bucket_mb", "buckets", "bucket_bytes", "ddp_bucket_bytes", "ranks",
-           "steps", "step_ms", "backward_ms", "comm_ms", "hidden_ms", "exposed_ms", "overlap", "first_allreduce_ms"]
+           "steps", "step_ms", "backward_ms", "comm_ms", "hidden_ms", "exposed_ms", "overlap", "first_allreduce_ms",
+           "comm_after_backward_ms", "waited_ms"]
 DEFAULT_CAP, DEFAULT_FIRST = 25.0, 1.0  # DDP's bucket_cap_mb and its first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
 COMPUTE = "autograd::engine::evaluate_function: "  # the prefix of every backward operator in the trace
 COMM = "gloo:all_reduce"  # what gloo's worker thread records for each all-reduce it runs
@@ -230,11 +235,16 @@ def steps_in(events: list[dict]) -> list[dict]:
 def measure(step: dict) -> dict[str, float]:
     compute, comm = step["compute"], union(step["comm"])
     hidden = length(intersection(comm, compute))
-    start = step["phases"]["backward"][0]
+    start, end = step["phases"]["backward"][0], compute[-1][1]
     # To the end of its last operator: DDP's loss.backward() goes on to wait for its buckets, HandDDP's does not.
-    return {"step_ms": step["ms"], "backward_ms": compute[-1][1] - start, "comm_ms": length(comm),
+    return {"step_ms": step["ms"], "backward_ms": end - start, "comm_ms": length(comm),
             "hidden_ms": hidden, "exposed_ms": length(comm) - hidden,
-            "first_allreduce_ms": step["comm"][0][0] - start if step["comm"] else float("nan")}
+            "first_allreduce_ms": step["comm"][0][0] - start if step["comm"] else float("nan"),
+            # Two views of what backward left to wait for, from two threads: on gloo's, the all-reduce time after
+            # backward's last operator; on the main thread, the time from that operator to the optimizer step. The
+            # step must wait for every all-reduce, so the first is at most the second (the tests check it).
+            "comm_after_backward_ms": length(intersection(comm, [(end, math.inf)])),
+            "waited_ms": step["phases"]["optimizer step"][0] - end}
 
 
 # --- the job --------------------------------------------------------------------------------------------------------
@@ -277,7 +287,8 @@ def summarise(configs: list[Config], args: argparse.Namespace, world: int, tmp: 
                      **{k: statistics.median(m[k] for m in measured)
                         for k in ("step_ms", "backward_ms", "first_allreduce_ms")},
                      # Means, so that hidden + exposed = all-reduce time, and overlap = hidden / all-reduce time.
-                     **{k: statistics.fmean(m[k] for m in measured) for k in ("comm_ms", "hidden_ms", "exposed_ms")},
+                     **{k: statistics.fmean(m[k] for m in measured) for k in ("comm_ms", "hidden_ms", "exposed_ms",
+                                                                               "comm_after_backward_ms", "waited_ms")},
                      "overlap": hidden / comm if comm else 0.0})
     return rows, timelines
 
