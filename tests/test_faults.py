@@ -2,7 +2,11 @@
 
 Each case states the fault, the exit status it must end with, a bound on the time from the fault
 to the end of the whole job, and a fragment of the message; every case also checks that no process
-of the job is left running. The faults are real: signals sent to a worker, a port another process
+of the job is left running. The bound is what the case configured (a --timeout, a rendezvous timeout, the
+launcher's SIGTERM-to-SIGKILL grace, read from torch) plus a margin measured in the same run: a few times the
+slowest start-up of a trivial launch (`python -c "import torch"`) timed among the cases, under their load. So a
+slower or busier machine loosens the bounds in proportion, and a case that waits for something it did not
+configure (a default timeout, a hang) still fails. The faults are real: signals sent to a worker, a port another process
 holds, a node that never comes, a read-only or full disk, bad files and bad values. The stages
 carry no test hooks.
 
@@ -20,7 +24,11 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
+import importlib.util
+import inspect
 import io
+import json
 import os
 import pickle
 import re
@@ -28,6 +36,9 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
+import textwrap
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -45,6 +56,7 @@ from harness import (
     STAGES,
     TORCHRUN,
     Fault,
+    Job,
     Run,
     Step,
     check,
@@ -56,6 +68,8 @@ from harness import (
     load_stage,
     mutate,
     selected,
+    with_args,
+    workers,
 )
 
 DDP_STAGES = [s for s in STAGES if s >= "03" and s[:2] in CONFIGS]  # killed as the tour runs them
@@ -65,13 +79,102 @@ SNAPSHOT_STAGES = ["06_checkpoint", "07_model_parallel"]  # --snapshot is a file
 SNAPSHOT_STAGE = "06_checkpoint"
 CHECKPOINT_STAGE = "08_fsdp"  # --snapshot is a directory of shards (torch.distributed.checkpoint)
 CHECKPOINT_STAGES = [CHECKPOINT_STAGE, "09_tensor_parallel"]  # 09 keeps 08's checkpoints
+GPT_STAGE = "11_gpt"  # a directory of shards too, but its own checks (steps, not epochs; the model's shape)
+# A tiny GPT (one block of width 16 reading 16 characters): its cases cost what a launch costs, not training.
+GPT_TINY = ("--device", "cpu", "--layers", "1", "--heads", "1", "--width", "16", "--context", "16", "--sample", "0")
+GPT_SETTINGS = (*GPT_TINY, "--batch-size", "2", "--save-every", "2", "--eval-every", "2")  # the checkpoint's
+GPT_STEPS = 2  # steps in the checkpoint the bad-snapshot cases spoil (one process)
+# Killed and stalled as the stages are: 2 processes under torchrun, a log line every step, told to run far longer.
+GPT_FAULT = Step(GPT_STAGE, "torchrun", (*GPT_TINY, "--batch-size", "2", "--eval-every", "1", "--max-steps",
+                                         "1000000"), nproc=2)
+GPT_FAULT_AFTER = {"after": "| train loss", "longer": ()}  # signalled() after its first step's line
 TIMEOUT = 5  # --timeout in the stall cases: how long the healthy ranks wait for the stalled one
-LAUNCHER_GRACE = 30  # mp.spawn and torchrun wait this long for a worker to obey SIGTERM before SIGKILL
-SLACK = 15  # scheduling on a busy 2-core machine
-START = 40  # a fault present at start: importing torch (3 s alone), several jobs at once
-# Cases launched at once. The 3 stalls and 2 lone nodes mostly wait, so 6 keeps the 2 cores busy with the rest:
-# the battery took 2m02 with 4, 1m38 with 6, 1m46 with 8 here (2 cores, shared); the bounds above held in each.
+RENDEZVOUS_TIMEOUT = 10  # how long the lone node's agent waits for the other node
+# The margin, in start-ups of a trivial launch (PROBE) timed among the cases, the slowest of them: what a case does
+# besides the waits it configured. The most measured, in start-ups (N_MARGIN below): a refusal of 08 or 09, whose
+# imports are the heaviest, and 08's full disk (start, one epoch, a failed save), up to 2.3 each; a
+# stall's or a lone node's exits, up to 1. Twice the most.
+MARGIN_STARTUPS = 5
+# A launch's time limit (the job is killed, the case fails as hung): its waits plus this many start-ups, timed
+# alone just before the cases. A whole case is a few start-ups (the launcher's, then its workers', an epoch, the
+# exits), each up to 3 times slower among the cases than alone: 40 leaves room for twice that, and still ends a
+# hang within minutes.
+HANG_STARTUPS = 40
+PROBE = (sys.executable, "-c", "import torch")  # a trivial launch: the start-up every case pays at least once
+PROBE_LIMIT = 600  # only for the probe itself, which has nothing to be measured against: an interpreter that hangs
+# Cases launched at once. The stalls and lone nodes mostly wait, so 6 keeps the 2 cores busy with the rest:
+# the battery took 2m02 with 4, 1m38 with 6, 1m46 with 8 here (2 cores, shared).
 POOL = 6
+POLL = 0.02  # how often a watcher reads the job's output (harness.Fault's pace too)
+
+
+@dataclass
+class Pace:
+    """How long a trivial launch (PROBE) takes here and now: the unit of every margin and time limit."""
+    before: float  # timed before this module launches anything (the slower of two)
+    among: list[float] = field(default_factory=list)  # timed among the cases, under their load
+
+    @property
+    def startup(self) -> float:
+        return max(self.before, *self.among)
+
+    @property
+    def margin(self) -> float:
+        return MARGIN_STARTUPS * self.startup
+
+    def limit(self, waits: float = 0.0) -> float:
+        """A launch's time limit: only a hang (or a wait nobody configured) reaches it."""
+        return waits + HANG_STARTUPS * self.before
+
+    def describe(self) -> str:
+        return (f"margin {self.margin:.1f}s = {MARGIN_STARTUPS} x the slowest start-up of `{' '.join(PROBE[1:])}` "
+                f"this run ({self.before:.1f}s before the cases, {', '.join(f'{t:.1f}' for t in self.among)}s among "
+                f"them)")
+
+
+def startup() -> float:
+    """Seconds of one trivial launch, as the cases launch (harness: its own process group, bounded in time)."""
+    return launch_commands([list(PROBE)], timeout=PROBE_LIMIT).seconds
+
+
+def launcher_grace(launcher: str) -> float:
+    """How long the launcher waits, after SIGTERM, for a failed job's other workers to leave before SIGKILL.
+
+    Read from torch. torchrun: once a worker has failed, its agent's _invoke_run calls _stop_workers, which calls
+    LocalElasticAgent._shutdown() without a timeout: its default (--shutdown-timeout only applies when the agent
+    itself is signalled). mp.spawn: ProcessContext.join() without a grace_period waits a fixed time after SIGTERM.
+    A stopped (SIGSTOP) worker cannot obey SIGTERM, so a stall always costs this wait: test_fault checks that the
+    stalls took at least this long, so a torch that changed the wait (or where it is read) fails there.
+    """
+    if launcher == "torchrun":
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+        return float(inspect.signature(LocalElasticAgent._shutdown).parameters["timeout"].default)
+    source = inspect.getsource(torch.multiprocessing.ProcessContext.join)
+    found = re.search(r"_join_procs_with_timeout\((\d+) if grace_period is None", source)
+    assert found, "torch.multiprocessing.ProcessContext.join no longer waits a fixed time after SIGTERM"
+    return float(found.group(1))
+
+
+class Seen:
+    """Passed to launch(during=...): notes when the job first printed `text`, as two times after its start: the last
+    look that did not see it and the first that did (it was printed between the two)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.before: float | None = None
+        self.at: float | None = None
+
+    def __call__(self, job: Job) -> None:
+        while True:
+            ended = job.ended.is_set()  # before the look: a job that ended has printed everything it will
+            now = time.monotonic() - job.start
+            if self.text in job.output():
+                self.at = time.monotonic() - job.start
+                return
+            if ended:
+                return
+            self.before = now
+            time.sleep(POLL)
 
 
 @dataclass
@@ -85,13 +188,16 @@ class Place:
     payload_marker: Path  # the pickle payload would create this file
     # A fresh tiny disk holding the stage's good snapshot (or checkpoint) and no room for another; None: cannot mount.
     full_disk: Callable[[str], Path] | None
+    pace: Pace | None = None  # launches' time limits (None: nothing is launched)
+    gpt_checkpoint: Path | None = None  # stage 11's checkpoint directory (GPT_SETTINGS, GPT_STEPS steps)
 
 
 @dataclass
 class Outcome:
     run: Run
-    seconds: float  # from the fault to the end of the job
+    seconds: float  # from the fault (as soon as it was seen) to the end of the job: at most the true time
     facts: dict = field(default_factory=dict)  # what the message must mention, e.g. the port
+    unseen: float = 0.0  # how much earlier the fault may have happened than `seconds` counts from
 
 
 @dataclass(frozen=True)
@@ -100,9 +206,10 @@ class Case:
     stage: str
     fault: str
     status: int | None  # the exit status; None: any non-zero status
-    within: float  # seconds, from the fault to the end of the job
+    waits: float  # seconds, from the fault to the end of the job, that the case configured; the margin is added
     message: str  # must appear in the output; formatted with Outcome.facts
     start: Callable[[Place], Outcome]
+    at_least: float = 0.0  # the job must also take this long after the fault: a wait it must really have waited
     one_line: bool = False  # the script refuses in exactly one stderr line, before training
     also: Callable[[Outcome, Place], None] | None = None  # further checks (the file is untouched, ...)
     needs: str | None = None  # a Place attribute that must exist, e.g. "read_only"
@@ -111,24 +218,29 @@ class Case:
 # --- how each kind of fault is started --------------------------------------------------------------------
 
 def with_place(args: tuple[str, ...], place: Place) -> tuple[str, ...]:
-    return tuple(a.format(file=place.a_file, ro=place.read_only, tmp=place.tmp) for a in args)
+    return tuple(a.format(file=place.a_file, ro=place.read_only, tmp=place.tmp, run=place.tmp / "a_run")
+                 for a in args)
 
 
 def started_with(stage: str, *args: str, env: dict[str, str] | None = None) -> Callable[[Place], Outcome]:
     """A fault present at start: a bad value, an unwritable path. Timed from the start."""
     def go(place: Place) -> Outcome:
-        run = launch(Step(stage, "python", with_place(args, place)), timeout=90, env=env)
+        run = launch(Step(stage, "python", with_place(args, place)), script=path_of(stage),
+                     timeout=place.pace.limit(), env=env)
         return Outcome(run, run.seconds)
     return go
 
 
-def signalled(stage: str, signum: int, *args: str, step: Step | None = None) -> Callable[[Place], Outcome]:
-    """`signum` sent to rank 1 once the first epoch is done (the job is told to run far longer)."""
+def signalled(stage: str, signum: int, *args: str, step: Step | None = None, waits: float = 0.0,
+              after: str = "epoch 1/", longer: tuple[str, ...] = ("--epochs", "200")) -> Callable[[Place], Outcome]:
+    """`signum` sent to rank 1 once the job has printed `after` (the first epoch's line), the job told to run far
+    longer (`longer`). `waits`: what the case configured after the fault, for the job's time limit."""
     def go(place: Place) -> Outcome:
-        base = step or CONFIGS[stage[:2]]
-        fault = Fault(signum, rank=1)
+        base = with_args(step or CONFIGS[stage[:2]], *longer)
+        limit = place.pace.limit(waits)
+        fault = Fault(signum, rank=1, after=after, limit=limit)
         out = place.tmp / f"{stage}-{signal.Signals(signum).name}"
-        run = launch(replace(base, args=(*base.args, "--epochs", "200", *args)), out, timeout=150, during=fault)
+        run = launch(with_args(base, *args), out, timeout=limit, during=fault)
         return Outcome(run, fault.seconds_to_end(run))
     return go
 
@@ -141,27 +253,38 @@ def port_taken(stage: str) -> Callable[[Place], Outcome]:
             holder.listen()
             port = holder.getsockname()[1]
             if stage == "03_ddp_spawn":  # mp.spawn: the port comes from MASTER_PORT
-                run = launch(Step(stage, "python", ("--device", "cpu")), timeout=90, env={"MASTER_PORT": str(port)})
+                run = launch(Step(stage, "python", ("--device", "cpu")), timeout=place.pace.limit(),
+                             env={"MASTER_PORT": str(port)})
             else:  # torchrun: --master_port
                 nodes = "--nnodes=2 --node_rank=0" if stage == "05_multinode" else "--nnodes=1 --nproc_per_node=2"
                 run = launch_commands([[*TORCHRUN, *nodes.split(), "--master_addr=127.0.0.1",
-                                        f"--master_port={port}", f"{stage}/train.py", "--device", "cpu"]], timeout=90)
+                                        f"--master_port={port}", f"{stage}/train.py", "--device", "cpu"]],
+                                      timeout=place.pace.limit())
         return Outcome(run, run.seconds, {"port": port})
     return go
 
 
+# What torchrun's agent logs (with LOGLEVEL=INFO) just before it starts waiting for the other nodes.
+RENDEZVOUS_STARTS = "Rendezvous'ing worker group"
+
+
 def lone_node(rendezvous: str) -> Callable[[Place], Outcome]:
-    """Node 0 of 2 started alone, with a 10 s rendezvous timeout: the other node never comes."""
+    """Node 0 of 2 started alone, with a RENDEZVOUS_TIMEOUT: the other node never comes. Timed from the moment the
+    agent says it starts waiting (its log line), not from the launch: torch's import is not the case's."""
     def go(place: Place) -> Outcome:
         port = free_port()
         if rendezvous == "static":
-            how = ["--node_rank=0", "--master_addr=127.0.0.1", f"--master_port={port}", "--rdzv_conf=timeout=10"]
+            how = ["--node_rank=0", "--master_addr=127.0.0.1", f"--master_port={port}",
+                   f"--rdzv_conf=timeout={RENDEZVOUS_TIMEOUT}"]
         else:
             how = ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=lonely",
-                   "--rdzv_conf=is_host=1,join_timeout=10"]
+                   f"--rdzv_conf=is_host=1,join_timeout={RENDEZVOUS_TIMEOUT}"]
+        waiting = Seen(RENDEZVOUS_STARTS)
         run = launch_commands([[*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", *how, "05_multinode/train.py",
-                                "--device", "cpu"]], timeout=90)
-        return Outcome(run, run.seconds)
+                                "--device", "cpu"]], env={"LOGLEVEL": "INFO"},
+                              timeout=place.pace.limit(RENDEZVOUS_TIMEOUT), during=waiting)
+        assert waiting.at is not None, f"the agent never logged {RENDEZVOUS_STARTS!r}\n{run.describe()}"
+        return Outcome(run, run.seconds - waiting.at, unseen=waiting.at - (waiting.before or 0.0))
     return go
 
 
@@ -172,6 +295,8 @@ def bad_snapshot(stage: str, kind: str, place: Place, where: str) -> tuple[Path,
     folder.mkdir()
     if stage == CHECKPOINT_STAGE:
         return spoilt_checkpoint(kind, folder / "ck", place)
+    if stage == GPT_STAGE:
+        return spoilt_gpt_checkpoint(kind, folder / "ck", place)
     path = folder / "s.pt"
     write_bad_snapshot(kind, path, place)
     return path, ("--device", "cpu", "--epochs", "2", "--snapshot", str(path))
@@ -182,7 +307,7 @@ def snapshot_given(stage: str, kind: str) -> Callable[[Place], Outcome]:
     def go(place: Place) -> Outcome:
         path, args = bad_snapshot(stage, kind, place, f"launched-{stage}-{kind}")
         before = contents(path)
-        run = launch(Step(stage, "python", args), timeout=90)
+        run = launch(Step(stage, "python", args), timeout=place.pace.limit())
         return Outcome(run, run.seconds, {"path": path, "before": before})
     return go
 
@@ -192,7 +317,8 @@ def disk_fills_up(stage: str) -> Callable[[Place], Outcome]:
     def go(place: Place) -> Outcome:
         path = place.full_disk(stage)
         before = contents(path)
-        run = launch(Step(stage, "python", ("--device", "cpu", "--epochs", "3", "--snapshot", str(path))), timeout=90)
+        run = launch(Step(stage, "python", ("--device", "cpu", "--epochs", "3", "--snapshot", str(path))),
+                     timeout=place.pace.limit())
         return Outcome(run, run.seconds, {"path": path, "before": before})
     return go
 
@@ -216,6 +342,33 @@ def spoilt_checkpoint(kind: str, path: Path, place: Place) -> tuple[Path, tuple[
         settings = {"other_model": ("--hidden", "32"), "other_seed": ("--seed", "7"),
                     "other_dtype": ("--dtype", "float64")}[kind]
     return path, ("--device", "cpu", "--epochs", "2", "--snapshot", str(path), *settings)
+
+
+def spoilt_gpt_checkpoint(kind: str, path: Path, place: Place) -> tuple[Path, tuple[str, ...]]:
+    """Stage 11's good checkpoint directory copied to `path`, spoilt as `kind` (or resumed with other settings); the
+    arguments resume it to twice its steps. "good": as it was, resumed with its own settings (the control)."""
+    shutil.copytree(place.gpt_checkpoint, path)
+    (last,) = path.iterdir()  # step_000002: its shards, .metadata and progress.json (steps, losses, settings)
+    settings: tuple[str, ...] = ()
+    if kind == "truncated":
+        shard = last / "__0_0.distcp"
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    elif kind == "missing":
+        (last / "__0_0.distcp").unlink()
+    elif kind == "foreign":  # a directory that also holds something else: stage 06's snapshot file
+        (path / "s.pt").write_bytes(place.good_snapshot)
+    elif kind == "payload":
+        (last / ".metadata").write_bytes(pickle.dumps(Payload(str(place.payload_marker))))
+    elif kind == "no_progress":
+        (last / "progress.json").unlink()
+    elif kind == "progress_not_json":
+        (last / "progress.json").write_text('{"steps": 2, ')
+    elif kind == "progress_of_another":  # JSON, but not this stage's: another tool's record
+        (last / "progress.json").write_text(json.dumps({"epochs_run": 1, "losses": [2.0]}))
+    elif kind != "good":
+        settings = {"other_model": ("--width", "32"), "other_seed": ("--seed", "7"),
+                    "other_batch": ("--batch-size", "4"), "other_dtype": ("--dtype", "float64")}[kind]
+    return path, (*GPT_SETTINGS, "--max-steps", str(2 * GPT_STEPS), "--snapshot", str(path), *settings)
 
 
 class Payload:
@@ -268,18 +421,18 @@ def untouched(path: Path, before: bytes | dict[str, bytes], place: Place) -> Non
     assert not (path.is_dir() and list(path.glob("*.tmp"))), "a half-written checkpoint was left behind"
 
 
-def one_line(stage: str, stderr: str, start: str = "") -> bool:
-    """The script refused in exactly one stderr line, its own: `<stage>/train.py: error: <start>...`."""
+def one_line(script: str, stderr: str, start: str = "") -> bool:
+    """The script refused in exactly one stderr line, its own: `<stage>/train.py: error: <start>...` (a tool: its
+    own file's name)."""
     lines = stderr.strip().splitlines()
-    return len(lines) == 1 and lines[0].startswith(f"{stage}/train.py: error: {start}")
+    return len(lines) == 1 and lines[0].startswith(f"{path_of(script).relative_to(ROOT)}: error: {start}")
 
 
 # --- the cases ------------------------------------------------------------------------------------------------
 
 # The recipes' own flags; their contract flags are checked as in stage 04.
 RECIPE_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
-    "recipes/grad_accumulation": {("--accumulate", "0"): "--accumulate",
-                                  ("--accumulate", "3"): "--accumulate",  # 3 x 64 does not divide 4096: a short step
+    "recipes/grad_accumulation": {("--accumulate", "0"): "--accumulate",  # (3 is fine: a short last step, exact)
                                   ("--sync-every-micro-batch=yes",): "--sync-every-micro-batch"},
     "recipes/uneven_inputs": {("--skew", "-1"): "--skew", ("--skew", "nan"): "--skew",
                               ("--no-join=1",): "--no-join", ("--divide-by", "all"): "--divide-by"},
@@ -319,9 +472,9 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
                   ("--no-reshard-after-forward=1",): "--no-reshard-after-forward"}
     if stage == "09_tensor_parallel":  # alone, a process is a world of 1: only --tp 1 divides it
         table |= {("--tp", "0"): "--tp", ("--tp", "x"): "--tp", ("--tp", "2"): "--tp"}
-    if stage == "10_pipeline_parallel":  # alone, a world of 1 has one stage; 3 micro-batches do not divide 64
+    if stage == "10_pipeline_parallel":  # alone, a world of 1 has one stage; 65 micro-batches of 64 leave one empty
         table |= {("--pp", "0"): "--pp", ("--pp", "2"): "--pp", ("--microbatches", "0"): "--microbatches",
-                  ("--microbatches", "3"): "--microbatches", ("--schedule", "zb"): "--schedule"}
+                  ("--microbatches", "65"): "--microbatches", ("--schedule", "zb"): "--schedule"}
     if stage == "11_gpt":  # a GPT on a text: its length is --max-steps (no --epochs); the model's shape, the corpus
         del table[("--epochs", "-1")]
         table |= {("--max-steps", "0"): "--max-steps", ("--save-every", "0"): "--save-every",
@@ -339,25 +492,108 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
     return table
 
 
+# Scripts beside the stages with flags of their own: the pipeline written by hand, DDP written by hand and its tools,
+# the benchmarks. Found on disk, so a new one fails test_every_flag_of_every_script_has_a_bad_value_case until its
+# flags have cases. Checked in this process as the stages are: parse_args() for those that have one (main() starts
+# with it), else main() itself, stopped where its checks end (main_until_checked).
+TOOLS = sorted(str(p.relative_to(ROOT).with_suffix("")) for p in [ROOT / "10_pipeline_parallel" / "by_hand.py",
+                                                                   *ROOT.glob("ddp_by_hand/*.py"),
+                                                                   *ROOT.glob("benchmarks/*.py")])
+# The flags every stage has, as the stages' own table gives them (without --device cuda, which depends on the machine).
+CONTRACT = {args: flag for args, flag in bad_values("01_single_gpu").items() if args != ("--device", "cuda")}
+TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
+    "10_pipeline_parallel/by_hand": bad_values("10_pipeline_parallel"),  # stage 10's flags and checks, by hand
+    "ddp_by_hand/naive": {**CONTRACT, ("--timeout", "0"): "--timeout"},
+    "ddp_by_hand/bucketed": {**CONTRACT, ("--timeout", "0"): "--timeout", ("--bucket-mb", "0"): "--bucket-mb",
+                             ("--first-bucket-mb", "nan"): "--first-bucket-mb"},
+    "ddp_by_hand/overlap": {("--hidden", "0"): "--hidden", ("--layers", "0"): "--layers",
+                            ("--batch-size", "0"): "--batch-size", ("--bucket-mb", "1,1"): "--bucket-mb",
+                            ("--bucket-mb", "0"): "--bucket-mb", ("--world-size", "0"): "--world-size",
+                            ("--warmup", "1"): "--warmup",  # DDP rebuilds its buckets after step 1: 2 at least
+                            ("--steps", "0"): "--steps", ("--rounds", "0"): "--rounds", ("--seed", "x"): "--seed",
+                            ("--timeout", "0"): "--timeout", ("--out", "{file}/sub"): "--out"},
+    "ddp_by_hand/vs_ddp": {("--world-sizes", "0"): "--world-sizes", ("--steps", "1"): "--steps",
+                           ("--seed", "x"): "--seed", ("--timeout", "0"): "--timeout"},
+    # Its arguments are folders of finished runs: one without a summary.json (a finished one, {run}, for the rest).
+    "ddp_by_hand/compare_runs": {("{tmp}",): "runs", ("{run}", "--ddp", "{tmp}"): "--ddp"},
+    "benchmarks/ddp_scaling": {("--models", "resnet"): "--models", ("--batches", "0"): "--batches",
+                               ("--world-size", "1"): "--world-size", ("--mlp-width", "0"): "--mlp-width",
+                               ("--sweep-batch", "0"): "--sweep-batch", ("--bucket-caps", "1,1"): "--bucket-caps",
+                               ("--accumulate", "0"): "--accumulate", ("--steps", "-1"): "--steps",
+                               ("--rounds", "0"): "--rounds", ("--budget", "inf"): "--budget",
+                               ("--warmup", "0"): "--warmup", ("--seed", "x"): "--seed",
+                               ("--out", "{file}/sub"): "--out", ("--timeout", "0"): "--timeout"},
+    # Checked where it can run (TOOL_SETTINGS: 2 GPUs visible); --gpus 3 is more than are visible.
+    "benchmarks/dp_vs_ddp": {("--batch-size", "-1"): "--batch-size", ("--epochs", "0"): "--epochs",
+                             ("--gpus", "0"): "--gpus", ("--gpus", "3"): "--gpus", ("--out", "{file}/sub"): "--out",
+                             ("--timeout", "0"): "--timeout"},
+    "benchmarks/fsdp_memory": {("--worlds", "1,0"): "--worlds", ("--modes", "zero3"): "--modes",
+                               ("--width", "250"): "--width",  # not a multiple of W = 4
+                               ("--blocks", "0"): "--blocks", ("--batch", "0"): "--batch", ("--steps", "0"): "--steps",
+                               ("--seed", "x"): "--seed", ("--out", "{file}/sub"): "--out",
+                               ("--timeout", "0"): "--timeout"},
+    "benchmarks/gpt_scaling": {("--quick=1",): "--quick", ("--steps", "3"): "--steps", ("--rounds", "0"): "--rounds",
+                               ("--batch-size", "0"): "--batch-size", ("--out", "{file}/sub"): "--out",
+                               ("--timeout", "0"): "--timeout"},
+    "benchmarks/lr_scaling": {("--worlds", "3"): "--worlds",  # 3 x 32 does not divide 4096
+                              ("--epochs", "5,x"): "--epochs", ("--seeds", "0"): "--seeds",
+                              ("--batch-size", "0"): "--batch-size", ("--lr", "nan"): "--lr",
+                              ("--out", "{file}/sub"): "--out"},
+    # Its --out is required: given (a writable one) wherever the value checked is checked after parsing.
+    "benchmarks/pipeline_bubble": {("--microbatches", "0,4"): "--microbatches",
+                                   ("--microbatch-size", "0"): "--microbatch-size", ("--width", "0"): "--width",
+                                   ("--layers", "0"): "--layers", ("--steps", "0"): "--steps",
+                                   ("--warmup", "-1", "--out", "{tmp}/bubble"): "--warmup",
+                                   ("--figure-m", "3", "--out", "{tmp}/bubble"): "--figure-m",
+                                   ("--out", "{file}/sub/bubble"): "--out"},
+    "benchmarks/rounding": {("--epochs", "0"): "--epochs", ("--lrs", "0.05,-1"): "--lrs",
+                            ("--dtypes", "float16"): "--dtypes", ("--batch-size", "48"): "--batch-size",
+                            ("--seed", "x"): "--seed", ("--check-epochs", "0"): "--check-epochs",
+                            ("--no-check=1",): "--no-check", ("--timeout", "0"): "--timeout",
+                            ("--out", "{file}/sub"): "--out"},
+}
+# Flags a user never gives, each with why: no bad-value case.
+INTERNAL_FLAGS = {("benchmarks/fsdp_memory", "--worker"): "set by its own launcher for each rank; hidden from --help"}
+# Messages that do not name their argument (the one line says what is wrong and the fix, not the flag): reported, and
+# checked as they are.
+UNNAMED = {("ddp_by_hand/compare_runs", "runs"): "no summary.json in ",
+           ("ddp_by_hand/compare_runs", "--ddp"): "no summary.json in "}
+REQUIRED = {"ddp_by_hand/compare_runs": ("{run}",), "benchmarks/pipeline_bubble": ("--out", "{tmp}/bubble")}  # (TYPO)
+# What a tool needs around it to reach its checks, as a user running it would have it.
+TOOL_ENV = {"benchmarks/pipeline_bubble": {"RANK": "0", "WORLD_SIZE": "2"}}  # run by torchrun, 2 processes: it checks
+TOOL_GPUS = {"benchmarks/dp_vs_ddp": 2}  # it measures nothing below 2 GPUs, and checks --gpus and --out only then
+
+
 # Spoilt snapshots (06: a file) and checkpoint directories (08), and resuming with other settings: each kind is
 # checked in-process through main() (test_bad_snapshot_is_refused_in_one_line); one is also launched per stage.
 SNAPSHOT_KINDS = {SNAPSHOT_STAGE: ["truncated", "not_torch", "foreign", "payload", "other_model", "other_seed",
                                    "other_dtype"],
                   CHECKPOINT_STAGE: ["truncated", "missing", "foreign", "payload", "other_model", "other_seed",
-                                     "other_dtype"]}
+                                     "other_dtype"],
+                  GPT_STAGE: ["truncated", "missing", "foreign", "payload", "no_progress", "progress_not_json",
+                              "progress_of_another", "other_model", "other_seed", "other_batch", "other_dtype"]}
+# What stage 11's line says for each kind: refused for the reason of its kind, not for another one.
+GPT_SETTINGS_LINE = "was made with --seed 0, global batch 2 and --dtype float32"
+GPT_REFUSALS = {"truncated": "__0_0.distcp is truncated", "missing": "__0_0.distcp is missing",
+                "foreign": "is not a checkpoint directory of this stage (it holds s.pt)",
+                "payload": "is not part of a checkpoint's metadata", "no_progress": "cannot load",
+                "progress_not_json": "cannot load", "progress_of_another": "progress.json is not this stage's",
+                "other_model": "holds another model: context 16, 1 blocks, 1 heads, width 16",
+                "other_seed": GPT_SETTINGS_LINE, "other_batch": GPT_SETTINGS_LINE, "other_dtype": GPT_SETTINGS_LINE}
 LAUNCHED_KIND = "truncated"
 LAUNCHED_BAD_VALUE = ("--batch-size", "0")  # the bad value launched for real in every stage; the rest: in-process
 TYPO = ("--batchsize", "32")  # a misspelt flag: argparse's own error, also raised in parse_args
 
 
 # A stall costs ~40 s (the launcher's SIGTERM grace), so there is one per way of launching: mp.spawn (03),
-# torchrun on one node (04), two nodes (05), one for FSDP (08), whose collectives run inside autograd's hooks, and
-# one for the pipeline (10), whose stages wait for each other in send/recv, not in collectives.
+# torchrun on one node (04), two nodes (05), one for FSDP (08), whose collectives run inside autograd's hooks, one
+# for the pipeline (10), whose stages wait for each other in send/recv, not in collectives, and the GPT (11), whose
+# DDP or FSDP model and loss all-reduce run in a loop of steps, not epochs.
 # 06 and 07 meet a stall as 04 does: the same torchrun agent, and the collective's timeout caught in main() by
 # explain_peer_failure, word for word 04's (test_repo.py's contract test). They differ from 04 only in the store
 # ddp_setup passes (used while joining, before any stall) and in the barrier after a snapshot, one more
 # collective that times out like the others.
-STALL_STAGES = ["03_ddp_spawn", "04_ddp_torchrun", "05_multinode", "08_fsdp", "10_pipeline_parallel"]
+STALL_STAGES = ["03_ddp_spawn", "04_ddp_torchrun", "05_multinode", "08_fsdp", "10_pipeline_parallel", GPT_STAGE]
 
 
 def cases() -> list[Case]:
@@ -365,48 +601,87 @@ def cases() -> list[Case]:
     for stage in STALL_STAGES:  # slow first: they wait for timeouts, and run beside the rest
         # 05: two nodes of two ranks, so the stalled rank 1 shares node 0 with rank 0, whose failure makes
         # that node's torchrun stop it. (A node whose only worker stalls is never told: see README.md.)
-        stall = replace(CONFIGS["05"], nproc=2) if stage == "05_multinode" else None
-        out.append(Case(f"{stage[:2]}-stalled-rank", stage, "SIGSTOP to rank 1 after epoch 1", None,
-                        TIMEOUT + LAUNCHER_GRACE + SLACK, f"--timeout {TIMEOUT}s",
-                        signalled(stage, signal.SIGSTOP, "--timeout", str(TIMEOUT), step=stall)))
+        stall = replace(CONFIGS["05"], nproc=2) if stage == "05_multinode" else GPT_FAULT if stage == GPT_STAGE \
+            else None
+        # The stalled rank cannot obey SIGTERM: the job ends after the healthy ranks' --timeout and the launcher's
+        # whole grace (not less: at_least), then SIGKILL.
+        grace = launcher_grace((stall or CONFIGS[stage[:2]]).launcher)
+        out.append(Case(f"{stage[:2]}-stalled-rank", stage, "SIGSTOP to rank 1 after its first log line", None,
+                        TIMEOUT + grace, f"--timeout {TIMEOUT}s",
+                        signalled(stage, signal.SIGSTOP, "--timeout", str(TIMEOUT), step=stall, waits=TIMEOUT + grace,
+                                  **(GPT_FAULT_AFTER if stage == GPT_STAGE else {})), at_least=grace))
     out += [Case("05-node-never-joins-static", "05_multinode", "node 0 of 2 started alone (static)", None,
-                 10 + SLACK, "1/2 clients joined", lone_node("static")),
+                 RENDEZVOUS_TIMEOUT, "1/2 clients joined", lone_node("static"), at_least=RENDEZVOUS_TIMEOUT),
             Case("05-node-never-joins-c10d", "05_multinode", "node 0 of 2 started alone (c10d)", None,
-                 10 + SLACK, "RendezvousTimeoutError", lone_node("c10d"))]
-    for stage in DDP_STAGES:
-        out.append(Case(f"{stage[:2]}-killed-rank", stage, "SIGKILL to rank 1 after epoch 1", None, 10,
-                        "SIGKILL", signalled(stage, signal.SIGKILL)))
-    out += [Case("03-port-taken", "03_ddp_spawn", "MASTER_PORT held by another process", 2, START,
+                 RENDEZVOUS_TIMEOUT, "RendezvousTimeoutError", lone_node("c10d"), at_least=RENDEZVOUS_TIMEOUT)]
+    for stage in [*DDP_STAGES, GPT_STAGE]:  # nothing waits: the healthy ranks see a closed connection at once
+        out.append(Case(f"{stage[:2]}-killed-rank", stage, "SIGKILL to rank 1 after its first log line", None, 0,
+                        "SIGKILL", signalled(stage, signal.SIGKILL, step=GPT_FAULT if stage == GPT_STAGE else None,
+                                             **(GPT_FAULT_AFTER if stage == GPT_STAGE else {}))))
+    # The rest: a fault present at the start, timed from the start (nothing configured to wait: the margin alone).
+    out += [Case("03-port-taken", "03_ddp_spawn", "MASTER_PORT held by another process", 2, 0,
                  "MASTER_PORT={port} is in use", port_taken("03_ddp_spawn"), one_line=True),
-            Case("04-port-taken", "04_ddp_torchrun", "--master_port held by another process", None, START,
+            Case("04-port-taken", "04_ddp_torchrun", "--master_port held by another process", None, 0,
                  "port: {port}, useIpv6: false, code: -98, name: EADDRINUSE", port_taken("04_ddp_torchrun")),
-            Case("05-port-taken", "05_multinode", "--master_port held by another process", None, START,
+            Case("05-port-taken", "05_multinode", "--master_port held by another process", None, 0,
                  "port: {port}, useIpv6: false, code: -98, name: EADDRINUSE", port_taken("05_multinode"))]
-    out.append(Case("08-disk-full", CHECKPOINT_STAGE, "the disk fills up while the shards are written", None, START,
+    out.append(Case("08-disk-full", CHECKPOINT_STAGE, "the disk fills up while the shards are written", None, 0,
                     "is still the last checkpoint", disk_fills_up(CHECKPOINT_STAGE), also=left_alone,
                     needs="full_disk"))
     out.append(Case(f"{SNAPSHOT_STAGE[:2]}-disk-full", SNAPSHOT_STAGE, "the disk fills up before a snapshot is saved",
-                    None, START, "still holds the previous snapshot", disk_fills_up(SNAPSHOT_STAGE), also=left_alone,
+                    None, 0, "still holds the previous snapshot", disk_fills_up(SNAPSHOT_STAGE), also=left_alone,
                     needs="full_disk"))
-    for stage in (SNAPSHOT_STAGE, CHECKPOINT_STAGE):
-        out.append(Case(f"{stage[:2]}-snapshot-{LAUNCHED_KIND}", stage, f"--snapshot is {LAUNCHED_KIND}", 2, START,
+    for stage in (SNAPSHOT_STAGE, CHECKPOINT_STAGE, GPT_STAGE):
+        out.append(Case(f"{stage[:2]}-snapshot-{LAUNCHED_KIND}", stage, f"--snapshot is {LAUNCHED_KIND}", 2, 0,
                         "argument --snapshot: ", snapshot_given(stage, LAUNCHED_KIND), one_line=True, also=left_alone))
     for stage in STAGES:
         args, flag = LAUNCHED_BAD_VALUE, bad_values(stage)[LAUNCHED_BAD_VALUE]
-        out.append(Case(f"{stage[:2]}{' '.join(args)}", stage, f"bad value {' '.join(args)}", 2, START,
+        out.append(Case(f"{stage[:2]}{' '.join(args)}", stage, f"bad value {' '.join(args)}", 2, 0,
                         f"argument {flag}: ", started_with(stage, *args), one_line=True))
+    for tool in TOOLS:  # the first of its bad values, each refused while parsing: nothing else is needed
+        args, flag = next(iter(TOOL_BAD_VALUES[tool].items()))
+        out.append(Case(f"{tool} {' '.join(args)}", tool, f"bad value {' '.join(args)}", 2, 0,
+                        UNNAMED.get((tool, flag), f"argument {flag}: "), started_with(tool, *args), one_line=True))
     return out
 
 
 CASES = cases()
 # Checked in-process: (stage, arguments, what the one line must contain).
 SCRIPTS = [*STAGES, *RECIPES]  # the recipes are stage 04 plus one technique: they refuse bad values alike
-REFUSALS = [(stage, args, f"argument {flag}: ") for stage in SCRIPTS for args, flag in bad_values(stage).items()] + \
-           [(stage, TYPO, f"unrecognized arguments: {' '.join(TYPO)}") for stage in SCRIPTS]
+
+
+def table(script: str) -> dict[tuple[str, ...], str]:
+    return TOOL_BAD_VALUES[script] if script in TOOLS else bad_values(script)
+
+
+# (script, arguments, the flag, what its one line must contain)
+REFUSALS = [(script, args, flag, UNNAMED.get((script, flag), f"argument {flag}: "))
+            for script in [*SCRIPTS, *TOOLS] for args, flag in table(script).items()] + \
+           [(script, (*REQUIRED.get(script, ()), *TYPO), "", f"unrecognized arguments: {' '.join(TYPO)}")
+            for script in [*SCRIPTS, *TOOLS]]
 
 
 def short(script: str) -> str:
     return script[:2] if script in STAGES else script.removeprefix("recipes/")
+
+
+def path_of(script: str) -> Path:
+    """A stage's or recipe's train.py, or a tool's own file."""
+    return ROOT / f"{script}.py" if script in TOOLS else ROOT / script / "train.py"
+
+
+def load_script(script: str) -> ModuleType:
+    return load_tool(script) if script in TOOLS else load_stage(script)
+
+
+@functools.cache
+def load_tool(script: str) -> ModuleType:
+    """Import a tool as a module, as load_stage imports a stage (its work is in functions: importing runs nothing)."""
+    spec = importlib.util.spec_from_file_location(f"tool_{script.replace('/', '_')}", ROOT / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 # --- the place, and running every case once ------------------------------------------------------------------
@@ -430,6 +705,8 @@ def paths(tmp_path_factory) -> Iterator[Place]:
     tmp = tmp_path_factory.mktemp("faults")
     a_file = tmp / "a_file"
     a_file.write_text("not a directory")
+    (tmp / "a_run").mkdir()  # {run}: where a finished run's --out would be, as far as compare_runs checks
+    (tmp / "a_run" / "summary.json").write_text("{}")
     with contextlib.ExitStack() as stack:
         read_only = tmp / "read_only"
         if not stack.enter_context(mounted(read_only, "ro,size=1m")):
@@ -440,13 +717,21 @@ def paths(tmp_path_factory) -> Iterator[Place]:
 
 
 @pytest.fixture(scope="module")
-def place(paths) -> Iterator[Place]:
+def pace() -> Pace:
+    """Two trivial launches, one after the other, before the module launches anything else."""
+    return Pace(before=max(startup(), startup()))
+
+
+@pytest.fixture(scope="module")
+def place(paths, pace) -> Iterator[Place]:
     tmp = paths.tmp
-    good, good_checkpoint = tmp / "good.pt", tmp / "good_checkpoint"
-    with ThreadPoolExecutor(max_workers=2) as pool:  # stage 06's snapshot and stage 08's checkpoint, at once
-        made = pool.map(lambda step: check(launch(step)), [
+    good, good_checkpoint, gpt_checkpoint = tmp / "good.pt", tmp / "good_checkpoint", tmp / "gpt_checkpoint"
+    with ThreadPoolExecutor(max_workers=2) as pool:  # stage 06's snapshot, 08's and 11's checkpoints, two at once
+        made = pool.map(lambda step: check(launch(step, timeout=pace.limit())), [
             Step("06_checkpoint", "python", ("--device", "cpu", "--epochs", "1", "--snapshot", str(good))),
-            Step(CHECKPOINT_STAGE, "python", ("--device", "cpu", "--epochs", "1", "--snapshot", str(good_checkpoint)))])
+            Step(CHECKPOINT_STAGE, "python", ("--device", "cpu", "--epochs", "1", "--snapshot", str(good_checkpoint))),
+            Step(GPT_STAGE, "python", (*GPT_SETTINGS, "--max-steps", str(GPT_STEPS), "--snapshot",
+                                       str(gpt_checkpoint)))])
         list(made)
     good_snapshot = good.read_bytes()
     with contextlib.ExitStack() as stack:
@@ -464,16 +749,23 @@ def place(paths) -> Iterator[Place]:
 
         probe = full_disk("06_checkpoint")
         yield replace(paths, good_snapshot=good_snapshot, good_checkpoint=good_checkpoint,
-                      full_disk=full_disk if probe else None)
+                      full_disk=full_disk if probe else None, pace=pace, gpt_checkpoint=gpt_checkpoint)
 
 
 @pytest.fixture(scope="module")
 def outcomes(place, request, background) -> dict[str, Outcome | BaseException]:
-    """Every selected case's outcome, POOL cases at a time (the slow ones mostly wait)."""
+    """Every selected case's outcome, POOL cases at a time (the slow ones mostly wait), and the start-up timed among
+    them three times: beside the first cases, halfway, and beside the last (None in the queue: a probe)."""
     chosen = selected(request, "test_fault", "case")
-    background.wait()  # the time bounds above hold on 2 cores shared by the battery alone (conftest.LAST)
+    background.wait()  # nothing but the battery (and whatever else this machine runs) shares the cores
+    queue: list[Case | None] = list(chosen)
+    for at in (len(queue), len(queue) // 2, 0):
+        queue.insert(at, None)
 
-    def one(case: Case) -> Outcome | BaseException:
+    def one(case: Case | None) -> Outcome | BaseException | None:
+        if case is None:
+            place.pace.among.append(startup())
+            return None
         if case.needs and getattr(place, case.needs) is None:
             return pytest.skip.Exception(f"{case.needs} cannot be made here (needs root to mount a tmpfs)")
         try:
@@ -482,7 +774,8 @@ def outcomes(place, request, background) -> dict[str, Outcome | BaseException]:
             return e
 
     with ThreadPoolExecutor(max_workers=POOL) as pool:
-        return dict(zip((c.id for c in chosen), pool.map(one, chosen), strict=True))
+        done = list(pool.map(one, queue))
+    return {case.id: outcome for case, outcome in zip(queue, done, strict=True) if case is not None}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -497,7 +790,14 @@ def test_fault(outcomes, place, case):
         assert run.returncode != 0, f"exit 0 despite the fault: {where}"
     else:
         assert run.returncode == case.status, where
-    assert outcome.seconds <= case.within, f"took {outcome.seconds:.1f}s > {case.within}s after the fault: {where}"
+    pace = place.pace
+    assert outcome.seconds <= case.waits + pace.margin, \
+        f"took {outcome.seconds:.1f}s after the fault: more than the {case.waits:g}s it configured + the " \
+        f"{pace.describe()}: {where}"
+    # The other way: the job did wait what it must (the fault may have come up to `unseen` earlier than seen).
+    assert outcome.seconds + outcome.unseen >= case.at_least, \
+        f"ended {outcome.seconds + outcome.unseen:.1f}s after the fault, before the {case.at_least:g}s it must " \
+        f"wait: {where}"
     assert case.message.format(**outcome.facts) in run.stdout + run.stderr, where
     assert not run.survivors, f"processes left running: {run.survivors}: {where}"
     if case.one_line:
@@ -531,16 +831,93 @@ def refusal(module: ModuleType, args: tuple[str, ...], whole_main: bool = False)
     return "no exit: the value was accepted", out.getvalue(), err.getvalue()
 
 
-@pytest.mark.parametrize("stage,args,message", REFUSALS, ids=[f"{short(s)}{' '.join(a)}" for s, a, _ in REFUSALS])
-def test_bad_value_is_refused_in_one_line(paths, stage, args, message):
-    """What `python <stage>/train.py <args>` prints and exits with: parse_args is all main() runs before it."""
+# What ends a tool's checks in its main(): parsing, refusing, or checking --out. The statement after the last of them
+# starts the work (the launches, the measuring).
+CHECK = re.compile(r"\bparse_args\(|\.error\(|\.check_out_writable\(")
+
+
+def checks_end(main: Callable) -> int:
+    """The line of main()'s first statement after its last check."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(main))).body[0].body
+    last = max(i for i, statement in enumerate(body) if CHECK.search(ast.unparse(statement)))
+    assert last + 1 < len(body), f"{main.__module__}.main() does nothing after its checks?"
+    return main.__code__.co_firstlineno + body[last + 1].lineno - 1
+
+
+def main_until_checked(script: str, args: tuple[str, ...], module: ModuleType | None = None) -> tuple[object, str, str]:
+    """(exit code, stdout, stderr) of a tool's main(args), in this process, stopped (Accepted) when it reaches the
+    statement after its last check: nothing accepted starts measuring here. The tool sees what it would where it runs
+    (TOOL_ENV, TOOL_GPUS); a main() without argv reads sys.argv, so that is set too. `module`: another version of
+    the tool's file (a negative control)."""
+    main = (module or load_tool(script)).main
+    stop = checks_end(main)
+
+    def step(frame, event, arg):
+        if event == "line" and frame.f_lineno >= stop:
+            raise Accepted
+        return step
+
+    def trace(frame, event, arg):
+        return step if frame.f_code is main.__code__ else None
+
+    out, err = io.StringIO(), io.StringIO()
+    gpus = mock.patch("torch.cuda.device_count", return_value=TOOL_GPUS[script]) if script in TOOL_GPUS \
+        else contextlib.nullcontext()
+    with mock.patch.dict(os.environ, clean_env(TOOL_ENV.get(script)), clear=True), gpus, \
+            mock.patch.object(sys, "argv", [str(path_of(script).relative_to(ROOT)), *args]), \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        before = sys.gettrace()
+        sys.settrace(trace)
+        try:
+            main(list(args)) if inspect.signature(main).parameters else main()
+        except SystemExit as e:
+            return e.code, out.getvalue(), err.getvalue()
+        except Accepted:
+            pass
+        finally:
+            sys.settrace(before)
+    return "no exit: the value was accepted", out.getvalue(), err.getvalue()
+
+
+def refusal_of(script: str, args: tuple[str, ...]) -> tuple[object, str, str]:
+    """What `python <script> <args>` exits with and prints, checked in this process (refusal, main_until_checked)."""
+    module = load_script(script)
+    return refusal(module, args) if hasattr(module, "parse_args") else main_until_checked(script, args)
+
+
+@pytest.mark.parametrize("script,args,flag,message", REFUSALS,
+                         ids=[f"{short(s)}{' ' if s in TOOLS else ''}{' '.join(a)}" for s, a, _, _ in REFUSALS])
+def test_bad_value_is_refused_in_one_line(paths, script, args, flag, message):
+    """What `python <script> <args>` prints and exits with: parse_args is all main() runs before it (a tool: its
+    main() up to the end of its checks)."""
     if "{ro}" in "".join(args) and paths.read_only is None:
         pytest.skip("read_only cannot be made here (needs root to mount a tmpfs)")
-    code, out, err = refusal(load_stage(stage), with_place(args, paths))
-    where = f"{stage}/train.py {' '.join(args)}: exit {code}\nstdout: {out}\nstderr: {err}"
+    code, out, err = refusal_of(script, with_place(args, paths))
+    where = f"{path_of(script).relative_to(ROOT)} {' '.join(args)}: exit {code}\nstdout: {out}\nstderr: {err}"
     assert code == 2, where
-    assert one_line(stage, err) and message in err, where
+    assert one_line(script, err) and message in err, where
     assert not out, where
+
+
+def test_in_process_tool_check_sees_a_missing_check(tmp_path):
+    """Negative controls for the tools' in-process checks. main() really is stopped where its checks end: --warmup 2
+    passes overlap.py's checks, and nothing is launched (mp.spawn comes next). A check left out is seen: overlap.py
+    with its --warmup check loosened to accept 1 lets it through, where the file itself refuses it."""
+    with mock.patch.object(load_tool("ddp_by_hand/overlap").mp, "spawn", side_effect=AssertionError("spawned")):
+        code, out, err = main_until_checked("ddp_by_hand/overlap", ("--warmup", "2", "--out", str(tmp_path / "o")))
+    assert code == "no exit: the value was accepted" and not err, (code, out, err)
+    assert main_until_checked("ddp_by_hand/overlap", ("--warmup", "1"))[0] == 2
+    text = path_of("ddp_by_hand/overlap").read_text()
+    assert text.count("if args.warmup < 2:") == 1
+    # The edited text run as the file itself (its name and folder: it imports bucketed.py and cli.py from beside it).
+    broken = ModuleType("overlap_without_its_warmup_check")
+    broken.__file__ = str(path_of("ddp_by_hand/overlap"))
+    with mock.patch.dict(sys.modules, {broken.__name__: broken}):  # where its dataclasses look their module up
+        exec(compile(text.replace("if args.warmup < 2:", "if args.warmup < 1:"), broken.__file__, "exec"),
+             broken.__dict__)
+        code, _, err = main_until_checked("ddp_by_hand/overlap", ("--warmup", "1", "--out", str(tmp_path / "o")),
+                                          broken)
+    assert code == "no exit: the value was accepted" and not err, f"the copy without the check refused: {code} {err}"
 
 
 IN_PROCESS_SNAPSHOTS = [(stage, kind) for stage, kinds in SNAPSHOT_KINDS.items() for kind in kinds]
@@ -557,6 +934,18 @@ def test_bad_snapshot_is_refused_in_one_line(place, stage, kind):
     assert code == 2, where
     assert one_line(stage, err, "argument --snapshot: "), where
     assert "epoch" not in out, where
+    if stage == GPT_STAGE:
+        assert GPT_REFUSALS[kind] in err, where
+    untouched(path, before, place)
+
+
+def test_in_process_gpt_checkpoint_check_accepts_its_own(place):
+    """The control for stage 11's refusals: its own checkpoint, resumed with its own settings, passes every check
+    (main() is stopped where it would join the group), and is left as it was."""
+    path, args = bad_snapshot(GPT_STAGE, "good", place, "in-process-gpt-good")
+    before = contents(path)
+    code, out, err = refusal(load_stage(GPT_STAGE), args, whole_main=True)
+    assert code == "no exit: the value was accepted" and not err, (code, out, err)
     untouched(path, before, place)
 
 
@@ -585,39 +974,88 @@ def test_in_process_check_sees_a_missing_check(tmp_path):
     assert code != 2 and not err, f"the copy without the check still refused: exit {code}, {err!r}"
 
 
-@pytest.mark.parametrize("stage", SCRIPTS)
-def test_main_checks_values_before_anything_else(stage):
-    """Why the in-process checks stand for the script: main() starts with parse_args(argv), and running the file
-    calls main(); the module's top level only defines (one real launch per stage, above, confirms the whole path)."""
-    tree = ast.parse((ROOT / stage / "train.py").read_text())
+@pytest.mark.parametrize("script", [*SCRIPTS, *TOOLS])
+def test_main_checks_values_before_anything_else(script):
+    """Why the in-process checks stand for the script: main() starts with parse_args(argv) (a tool without one: its
+    checks come before anything else main() does, and main_until_checked runs them all), and running the file calls
+    main(); the module's top level only defines (one real launch per script, in the battery, confirms the whole
+    path)."""
+    tree = ast.parse(path_of(script).read_text())
     main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
-    first = ast.unparse(main.body[0])
-    assert first == "args = parse_args(argv)", f"{stage}: main() starts with {first!r}, not parse_args(argv)"
-    entry = tree.body[-1]
-    assert ast.unparse(entry) == "if __name__ == '__main__':\n    main()", f"{stage}: does not end by calling main()"
+    if hasattr(load_script(script), "parse_args"):
+        first = ast.unparse(main.body[0])
+        assert first == "args = parse_args(argv)", f"{script}: main() starts with {first!r}, not parse_args(argv)"
+    else:
+        checks_end(load_tool(script).main)  # there is a statement after the checks, where the work starts
+    entry = ast.unparse(tree.body[-1])
+    assert entry in ("if __name__ == '__main__':\n    main()", "if __name__ == '__main__':\n    sys.exit(main())"), \
+        f"{script}: does not end by calling main()"
 
 
-def test_bad_value_under_torchrun_fails_fast_with_the_line():
-    run = launch(Step("04_ddp_torchrun", "torchrun", ("--batch-size", "0"), nproc=2), timeout=60)
+def complete_checkpoints(directory: Path) -> list[int]:
+    """The steps of stage 11's complete checkpoints in `directory` (a step_N.tmp is one being written)."""
+    return sorted(int(p.name.removeprefix("step_")) for p in directory.glob("step_*") if p.name[5:].isdigit()) \
+        if directory.exists() else []
+
+
+def test_gpt_killed_worker_is_restarted_and_resumes_exactly(pace, tmp_path):
+    """Stage 11 under `torchrun --max-restarts=1`: rank 1 SIGKILLed once a checkpoint is complete; torchrun restarts
+    the group, which resumes from the newest checkpoint and ends bit for bit where the same job without the kill ends
+    (run beside it): the same weights, the same per-step losses, the same states at every step both recorded."""
+    settings = (*GPT_TINY, "--batch-size", "2", "--max-steps", "200", "--save-every", "10", "--eval-every", "10")
+    jobs = {name: Step(GPT_STAGE, "torchrun", (*settings, "--snapshot", str(tmp_path / name / "ck")), nproc=2,
+                       torchrun_args=("--max-restarts=1",)) for name in ("killed", "whole")}
+    kills: list[int] = []  # the newest complete checkpoint when rank 1 was killed
+
+    def killer(job: Job) -> None:  # beside the job: once a checkpoint is complete, kill rank 1 (once)
+        ck = tmp_path / "killed" / "ck"
+        while not complete_checkpoints(ck) and not job.ended.is_set():
+            time.sleep(POLL)
+        if (pid := workers(job).get(1)) is not None:
+            os.kill(pid, signal.SIGKILL)
+            kills.append(complete_checkpoints(ck)[-1])
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        killed = pool.submit(launch, jobs["killed"], tmp_path / "killed" / "out", timeout=pace.limit(), during=killer)
+        whole = pool.submit(launch, jobs["whole"], tmp_path / "whole" / "out", timeout=pace.limit())
+        killed, whole = check(killed.result()), check(whole.result())
+    resumed = re.search(r"resumed from \S+ \(written by 2 ranks\) at step (\d+)", killed.stdout)
+    assert len(kills) == 1 and resumed, (kills, killed.describe())
+    at = int(resumed.group(1))
+    assert kills[0] <= at < 200 and killed.summary["resumed_at"] == at, (kills, at, killed.describe())
+    assert "resumed from" not in whole.stdout, whole.describe()
+    assert killed.summary["losses"] == whole.summary["losses"] and len(whole.summary["losses"]) == 200
+    assert all(torch.equal(killed.model[k], whole.model[k]) for k in whole.model) and \
+        killed.model.keys() == whole.model.keys()
+    ours = {state["step"]: state for state in killed.trajectory}
+    theirs = {state["step"]: state for state in whole.trajectory}
+    assert at in ours and ours.keys() <= theirs.keys(), (ours.keys(), theirs.keys())
+    for step, state in ours.items():
+        for part in ("params", "exp_avg", "exp_avg_sq"):
+            assert all(torch.equal(state[part][n], theirs[step][part][n]) for n in state[part]), (step, part)
+
+
+def test_bad_value_under_torchrun_fails_fast_with_the_line(pace):
+    run = launch(Step("04_ddp_torchrun", "torchrun", ("--batch-size", "0"), nproc=2), timeout=pace.limit())
     assert run.returncode != 0 and not run.survivors, run.describe()
     assert "argument --batch-size: must be a positive int, got 0" in run.stderr
 
 
-def test_every_flag_of_every_stage_has_a_bad_value_case():
-    """The battery grows with the stages: a new flag without a bad-value case fails here.
+def test_every_flag_of_every_script_has_a_bad_value_case():
+    """The battery grows with the stages and tools: a new flag without a bad-value case fails here.
 
     The flags are those the parser itself lists in its usage line, and those the source declares.
     """
-    for stage in SCRIPTS:
-        code, usage, _ = refusal(load_stage(stage), ("--help",))
-        assert code == 0, f"{stage}: --help exited {code}"
+    for script in [*SCRIPTS, *TOOLS]:
+        code, usage, _ = refusal_of(script, ("--help",))
+        assert code == 0, f"{script}: --help exited {code}"
         usage = usage.split("\n\n")[0]  # the usage line (wrapped), before the description
         declared = set(re.findall(r"\[(--[a-z][a-z-]*)", usage)) - {"--help"}
-        declared |= set(re.findall(r'add_argument\("(--[a-z-]+)"', (ROOT / stage / "train.py").read_text()))
-        checked = {flag for s, _, message in REFUSALS if s == stage
-                   for flag in re.findall(r"argument (--[a-z-]+): ", message)}
+        declared |= set(re.findall(r'add_argument\("(--[a-z-]+)"', path_of(script).read_text()))
+        declared -= {flag for s, flag in INTERNAL_FLAGS if s == script}
+        checked = {flag for s, _, flag, _ in REFUSALS if s == script}
         missing = declared - checked
-        assert declared and not missing, f"{stage}: no bad-value case for {sorted(missing)}"
+        assert declared and not missing, f"{script}: no bad-value case for {sorted(missing)}"
 
 
 @pytest.mark.parametrize("script,version,refused", [
