@@ -52,9 +52,13 @@ cfg = nb.setup()
 # `make_mesh` builds the `(dp, tp)` mesh; `parallelize` (08's `shard_model`) first splits the
 # layers over `mesh["tp"]` with three lines of plan, then shards each block over `mesh["dp"]` as 08
 # did over the whole world. The sampler takes the **dp** coordinate and size, not the global rank:
-# the tp ranks of a row must see the same samples, since together they compute one forward. The
-# epoch's loss is averaged over the dp column only, and the collectives of one step are counted per
-# mesh dimension (DTensor's beside FSDP's). Checkpoints are 08's, unchanged.
+# the tp ranks of a row must see the same samples, since together they compute one forward. For the
+# same reason the held-out set is split over the dp rows only (`evaluate_sharded` is given the dp
+# coordinate and the dp group): the tp ranks of a row score the same samples together, with the
+# model as it is split, and only the rows' sums are added. The epoch's loss is averaged over the dp
+# column only, and the collectives of one step are counted per mesh dimension (DTensor's beside
+# FSDP's). Checkpoints, `model.pt` (gathered onto rank 0's CPU, only with `--out`) and the lack of a
+# replica check are 08's, unchanged.
 
 # %%
 nb.show_diff("08_fsdp", "09_tensor_parallel")
@@ -86,7 +90,7 @@ print(f"mesh: dp {s['dp']} × tp {s['tp']}; global batch {s['global_batch']}")
 #   and an all-reduce adds them. Its bias is added once, after the sum, so each tp rank keeps it
 #   **whole**.
 #
-# Below, the final weights (assembled in `model.pt`) coloured by the tp rank that holds each slice.
+# Below, the final weights (gathered whole into `model.pt`) coloured by the tp rank that holds each slice.
 # The slices are not drawn from the plan: they are read off the `shard_shapes` the run recorded
 # (which dimension of each parameter is smaller on a rank than in the whole), and checked against it.
 
@@ -297,24 +301,37 @@ print(f"bytes per rank: {[sum(b.values()) for b in m['bytes_per_rank']]}, of a r
 # The same training, once more: after its two epochs the 2 × 2 run holds the weights the 1 × 2 run
 # held after two (its `trajectory`), within rounding. Two rows of 32 samples are stage 08's data
 # parallelism: FSDP2's reduce-scatter averages the rows' gradients, as it did over 08's ranks, while
-# within each row the two tp ranks still compute one forward between them.
+# within each row the two tp ranks still compute one forward between them. Its held-out evaluation,
+# split over the two rows, counted each of the 1001 samples once, as stage 01's `evaluate()` does
+# on its `model.pt`.
 
 # %%
 after_two = dict(zip(names, tp_run.trajectory[2]["params"], strict=True))
 gap = max((mesh_run.model[n] - after_two[n]).abs().max().item() for n in names)
 print(f"max |Δw| after epoch 2, dp 2 × tp 2 vs dp 1 × tp 2: {gap:.1e}")
 assert gap <= nb.ATOL, gap
+loss01, acc01, count01 = nb.held_out_by_01(mesh_run)
+print(f"held-out, dp 2 × tp 2: loss {m['eval_loss']:.12f} over {m['eval_count']} samples; "
+      f"stage 01's evaluate(model.pt): {loss01:.12f} over {count01}")
+assert m["eval_count"] == count01 and abs(m["eval_loss"] - loss01) <= nb.ATOL, (m["eval_loss"], loss01)
 
 # %% [markdown]
 # ## Same weights as stage 01
 #
-# The run above against stage 01: the same final weights within the tour's float64 tolerance, every
-# epoch replayed by stage 01's code, and every rank assembled the same model from its slices.
+# The run above against stage 01: the same final weights within the tour's float64 tolerance, and
+# every epoch replayed by stage 01's code. As in 08 there are no replicas to compare (each rank holds
+# other slices; `replica_max_abs_diff` is `None`). Instead, the held-out numbers the run computed
+# with its split layers equal stage 01's own `evaluate()` on the gathered `model.pt`.
 
 # %%
 label = f"09, tp {s['tp']}, dp {s['dp']}"
-print(f"ranks' assembled models differ by at most {s['replica_max_abs_diff']}")
-assert s["replica_max_abs_diff"] == 0.0
+assert s["replica_max_abs_diff"] is None, s["replica_max_abs_diff"]  # no replicas: each rank holds other slices
+loss01, acc01, count01 = nb.held_out_by_01(tp_run)
+print(f"held-out, the split model (the run):       loss {s['eval_loss']:.12f} | accuracy {s['eval_accuracy']:.2%} "
+      f"({s['eval_count']} samples)")
+print(f"held-out, stage 01's evaluate(model.pt):   loss {loss01:.12f} | accuracy {acc01:.2%} ({count01} samples)")
+assert (s["eval_count"], s["eval_accuracy"]) == (count01, acc01), (s["eval_count"], s["eval_accuracy"], count01, acc01)
+assert abs(s["eval_loss"] - loss01) <= nb.ATOL, (s["eval_loss"], loss01)
 diffs = nb.compare(ref, {label: tp_run})
 assert max(diffs.values()) <= nb.ATOL, diffs
 nb.plot_runs(ref, {label: tp_run}, "09 over 01: one curve", ref_label="01, 1 × 64")

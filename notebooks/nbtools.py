@@ -48,8 +48,8 @@ REUSE = os.environ.get("NOTEBOOK_REUSE")  # a `tour.py --out` folder whose runs 
 WORLD, BATCH, EPOCHS, DTYPE = 2, 32, None, "float64"
 ATOL = tolerance(DTYPE)  # the tour's: sqrt(eps) of float64 (README.md: "Same weights, up to rounding")
 __all__ = ["ATOL", "BATCH", "DTYPE", "EPOCHS", "ROOT", "RUNS", "TORCHRUN", "WORLD", "Run", "Setup", "Step", "compare",
-           "load_stage", "max_abs_diff", "plot_runs", "reference", "run", "setup", "show", "show_diff", "show_outline",
-           "shown", "tolerance", "with_args"]
+           "held_out_by_01", "load_stage", "max_abs_diff", "plot_runs", "reference", "replay_error", "run", "setup",
+           "show", "show_diff", "show_outline", "shown", "tolerance", "with_args"]
 
 
 def _in_kernel() -> bool:
@@ -243,6 +243,23 @@ def compare(reference: Run, runs: dict[str, Run], ref_label: str = "01 (one proc
     _markdown("\n".join(rows))
     del diffs[ref_label]
     return diffs
+
+
+def held_out_by_01(run: Run) -> tuple[float, float, int]:
+    """Stage 01's own evaluate() on a run's model.pt, in one process on the CPU: (mean loss, accuracy, samples).
+
+    For the stages where no rank holds the whole model (08, 09, 10): they score the held-out set with the model as it
+    is split, and model.pt is the whole model, gathered only for --out. The two must agree.
+    """
+    import torch
+
+    s01, s = load_stage("01_single_gpu"), run.summary
+    dtype = s01.DTYPES[s["dtype"]]
+    _, eval_set = s01.make_data(s["seed"], dtype)
+    model = s01.Net().to(dtype)
+    model.load_state_dict(run.model)  # strict: every weight of stage 01's Net, under its own name
+    loss_sum, correct, count = s01.evaluate(model, eval_set, torch.device("cpu"))
+    return loss_sum / count, correct / count, count
 
 
 def plot_runs(reference: Run, runs: dict[str, Run], title: str, ref_label: str = "01, one process"):
