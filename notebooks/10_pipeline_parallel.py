@@ -33,6 +33,7 @@
 import matplotlib.pyplot as plt
 import nbtools as nb
 import torch
+import torch.nn.functional as F
 from matplotlib.patches import Patch
 
 from benchmarks import pipeline_bubble as pb  # its slot_clock() plays a schedule on the schedule's own clock
@@ -144,10 +145,18 @@ for m in (4, 8, 16, 32):
 # and the sampler takes the dp coordinate, as 09's does: the stages of one pipeline see the same
 # samples. DDP is gone (its reducer expects one backward after each forward; GPipe runs every forward
 # first): `train` wraps the stage in the library's `PipelineStage` and a schedule (`ScheduleGPipe` or
-# `Schedule1F1B`, with `F.cross_entropy` as the loss), and `_run_batch` calls `schedule.step` with
-# the samples (first stage) or the labels (last), then averages the stage's gradients over the dp
-# pipelines, once, and steps. The whole model is assembled from every stage for the evaluation, the
-# replica check and `--out`.
+# `Schedule1F1B`), and `_run_batch` calls `schedule.step` with the samples (first stage) or the labels
+# (last), then averages the stage's gradients over the dp pipelines, once, and steps. Three more
+# pieces come from no process holding the whole model:
+#
+# - the loss is `BatchMeanLoss`, and every batch is `padded` to the same number of rows (below:
+#   why, and why it is still stage 01's training);
+# - the held-out set goes through the pipeline too (`evaluate_pipeline`, the schedule's forward-only
+#   `eval`), and instead of DDP's replica check each stage is compared with its copies in the other
+#   dp pipelines;
+# - the whole model is gathered from the stages only for `--out`'s `model.pt` (`gathered_model`), and
+#   the weights and momentum after each epoch, which the tour replays, are recorded only with `--out`
+#   (`WholeTrajectory`, below the lesson's end).
 
 # %%
 nb.show_diff("05_multinode", "10_pipeline_parallel")
@@ -197,17 +206,79 @@ for a, b in zip(stages, stages[1:], strict=False):  # what one stage sends is wh
     assert [x for x in a if isinstance(x, torch.nn.Linear)][-1].out_features == b[0].in_features
 
 # %% [markdown]
+# ## Any number of micro-batches, any batch: padding and `BatchMeanLoss`
+#
+# torch's schedule cuts a batch into M micro-batches of equal size, and sizes every stage's receive
+# buffers at its first step. So a batch that M does not divide, or an epoch's last batch when the
+# batch size does not divide the samples, would not fit. The stage pads every batch to the same
+# `rows` (the batch size rounded up to a multiple of M) with rows labelled `IGNORE` (-100, which
+# `cross_entropy` leaves out of the loss and its gradients). The padding costs some compute and
+# changes nothing else.
+#
+# The loss must then count samples, not micro-batches. The library's default divides each
+# micro-batch's mean by M, which is the batch's mean only when the micro-batches hold equal numbers
+# of samples. `BatchMeanLoss` sums a micro-batch's losses and divides by the batch's real samples:
+# added over the micro-batches, however the batch was cut, that is the batch's mean (and the schedule
+# is built with `scale_grads=False`, so nothing divides again). Two batches, with stage 10's own
+# `padded` and `BatchMeanLoss`, against the mean that stage 01 takes:
+
+# %%
+torch.manual_seed(0)
+net = s10.Net().double()
+data, _ = s10.make_data(0, torch.float64)
+loss_fn = s10.BatchMeanLoss()
+for samples, batch, micro in ((64, 64, 3), (16, 48, 4)):  # a batch of 64 cut 3 ways; 16 (the last at batch 48), 4
+    x, y = data.tensors[0][:samples], data.tensors[1][:samples]
+    rows = -(-batch // micro) * micro  # as train.py: the batch size rounded up to a multiple of M
+    xp, yp = s10.padded(x, y, rows)
+    pieces = list(zip(xp.tensor_split(micro), yp.tensor_split(micro), strict=True))
+    loss_fn.samples = samples
+    ours = sum(loss_fn(net(a), b) for a, b in pieces)
+    means = sum(F.cross_entropy(net(a), b, ignore_index=s10.IGNORE) for a, b in pieces) / micro
+    print(f"{samples} samples padded to {rows} rows, {micro} micro-batches of "
+          f"{[int((b != s10.IGNORE).sum()) for _, b in pieces]} real samples: stage 01's mean "
+          f"{F.cross_entropy(net(x), y).item():.12f} | BatchMeanLoss summed {ours.item():.12f} | "
+          f"micro-batch means averaged {means.item():.12f}")
+    assert abs(ours.item() - F.cross_entropy(net(x), y).item()) < 1e-12
+
+# %% [markdown]
+# Averaging the micro-batches' means weighs the samples of a short micro-batch more, and a
+# micro-batch of padding alone is 0 / 0 (`nan`). The sum over the batch's samples has neither
+# problem. A real run with both cases: `--batch-size 48 --microbatches 5` pads each batch to 50
+# rows, and each epoch's last batch holds 16 samples (4,096 = 85 × 48 + 16). The stage says so before
+# training, and one epoch of it replays with stage 01's code at batch 48.
+
+# %%
+odd_step = nb.with_args(cfg.step("10_pipeline_parallel"), batch_size=48, microbatches=5, epochs=1)
+odd = nb.run(odd_step, "10_padded")
+error = nb.replay_error(odd.summary, odd.trajectory)
+print(f"batch 48 in 5 micro-batches, 1 epoch: replayed with stage 01's code at batch 48 to {error:.1e}")
+assert error <= nb.ATOL, error
+
+# %% [markdown]
 # ## Same weights as stage 01
 #
 # The pipelined run against stage 01: the same final weights within the tour's float64 tolerance,
-# every epoch replayed by stage 01's code, and every rank assembled the same whole model from the
-# stages. The schedule scales each micro-batch's loss by 1/M, so the M micro-batches' gradients,
-# added up in `.grad`, are the batch's mean: stage 01's step.
+# and every epoch replayed by stage 01's code.
+#
+# No process holds the whole model, so two more checks replace DDP's replica check. The copies of
+# each stage in the dp pipelines averaged the same gradients, so they must be equal (the run's
+# `pipelines: max |difference| ...` line, `replica_max_abs_diff` in its summary; with dp 1, as here,
+# a stage has no copy and it is 0 trivially). And the run scored the held-out set through the
+# pipeline, micro-batch by micro-batch; stage 01's own `evaluate()` on the gathered `model.pt`, in
+# this kernel, must give the same numbers.
 
 # %%
 label = f"10, dp {s['dp']} × pp {pp}, {s['schedule']}"
-print(f"ranks' assembled models differ by at most {s['replica_max_abs_diff']}")
+print(f"pipelines: a stage differs from its copy in pipeline 0 by at most {s['replica_max_abs_diff']} "
+      f"(dp {s['dp']})")
 assert s["replica_max_abs_diff"] == 0.0
+loss01, acc01, count01 = nb.held_out_by_01(pp_run)
+print(f"held-out, through the pipeline (the run):  loss {s['eval_loss']:.12f} | accuracy {s['eval_accuracy']:.2%} "
+      f"({s['eval_count']} samples)")
+print(f"held-out, stage 01's evaluate(model.pt):   loss {loss01:.12f} | accuracy {acc01:.2%} ({count01} samples)")
+assert (s["eval_count"], s["eval_accuracy"]) == (count01, acc01), (s["eval_count"], s["eval_accuracy"], count01, acc01)
+assert abs(s["eval_loss"] - loss01) <= nb.ATOL, (s["eval_loss"], loss01)
 diffs = nb.compare(ref, {label: pp_run})
 assert max(diffs.values()) <= nb.ATOL, diffs
 nb.plot_runs(ref, {label: pp_run}, "10 over 01: one curve", ref_label="01, 1 × 64")
@@ -231,10 +302,11 @@ h = hand_run.summary
 assert (h["schedule"], h["pp"], h["microbatches"], h["epochs"]) == ("gpipe", pp, m, 2), h
 
 # %% [markdown]
-# The order of the forwards and backwards changes *when* each gradient is computed, not the sums:
-# each micro-batch's gradient is added to `.grad` in turn and divided by M once, in either. So GPipe
-# written by hand ends its 2 epochs at the weights the library's 1F1B held after its first 2, **to
-# the bit**, with the same losses.
+# The order of the forwards and backwards changes *when* each gradient is computed, not the sums: in
+# either, each micro-batch's loss is its share of the batch's mean (`BatchMeanLoss`, the same in
+# both files), and its gradient is added to `.grad` in turn, micro-batch 0 first. So GPipe written
+# by hand ends its 2 epochs at the weights the library's 1F1B held after its first 2, **to the
+# bit**, with the same losses.
 
 # %%
 after_two = pp_run.trajectory[2]
@@ -319,7 +391,7 @@ assert played_1f1b["peak_held"] == [pp - st for st in range(pp)], played_1f1b["p
 #   different samples, and each stage averages its gradients with its twin in the other pipeline,
 #   once per step (`tests/test_pipeline.py` runs it, at stage 01's global batch).
 # - `--microbatches 1 --schedule 1f1b` is refused in one line: 1F1B's warm-up needs at least one
-#   micro-batch per stage. GPipe runs any M.
+#   micro-batch per stage. GPipe runs any M, and M need not divide `--batch-size` (padding, above).
 # - `benchmarks/pipeline_bubble.py` measures the bubble of both schedules against M, on the wall
 #   clock with a larger model, and on the slot clock for P = 2, 3, 4
 #   ([its figure](../benchmarks/pipeline_bubble.png), and `10_pipeline_parallel/README.md`).
