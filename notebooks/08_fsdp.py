@@ -41,11 +41,21 @@ cfg = nb.setup()
 # default is CUDA wherever a GPU is visible). No broadcast happens, unlike DDP's constructor: every
 # rank builds the same weights from the same seed and keeps its slice of them.
 #
-# The rest follows from the weights no longer being whole anywhere: the checkpoint is written by
-# every rank, each its own shards (`torch.distributed.checkpoint`), and can be resumed on another
-# number of ranks; `model.pt` and the held-out evaluation use the model assembled from all shards
-# (`full_model`); the replica check becomes "every rank assembled the same model"; and the script
-# counts its collectives and the bytes each rank holds, which the rest of this notebook draws.
+# The rest follows from the weights no longer being whole anywhere:
+#
+# - the checkpoint is written by every rank, each its own shards (`torch.distributed.checkpoint`),
+#   and can be resumed on another number of ranks;
+# - the held-out set is scored by the sharded model itself (`evaluate_sharded`). Its forward is a
+#   collective (each unit all-gathers its weights), so every rank runs as many batches as the others;
+# - the whole model is gathered only for `--out`'s `model.pt`, once, at the end, onto rank 0's CPU
+#   (`full_model`). Gathering it on every rank would cost what sharding saves;
+# - there is no replica check: there are no replicas, as each rank holds other rows;
+# - the script counts its collectives and the bytes each rank holds, which the rest of this notebook
+#   draws.
+#
+# Like every stage, it records the weights and momentum after each epoch (the trajectory the tour
+# replays) only with `--out`. Here each record is an all-gather of the whole model, which a run that
+# keeps no files should not pay for. The notebook's runs pass `--out`.
 
 # %%
 nb.show_diff("06_checkpoint", "08_fsdp")
@@ -67,8 +77,8 @@ s = fsdp.summary
 # ranks, rank 0 keeps the first half of the rows of each weight matrix (and of each bias), rank 1
 # the second half. Each parameter's gradient and momentum are cut the same way, so the optimizer
 # updates a rank's rows with that rank's gradient rows: no communication. Below, the final weights
-# (assembled in `model.pt`), coloured by the rank whose shard holds each row; the rows are read off
-# the `shard_shapes` the run recorded.
+# (gathered whole into `model.pt`), coloured by the rank whose shard holds each row; the rows are
+# read off the `shard_shapes` the run recorded.
 
 # %%
 state, shapes = fsdp.model, s["shard_shapes"]
@@ -268,14 +278,24 @@ nb.show(fig)
 #
 # Sharding changes where each number is kept, not what is computed: the reduce-scatter averages the
 # same gradients DDP's all-reduce did, and each rank's optimizer step applies stage 01's update to
-# its rows. The weights, assembled from the shards, agree with stage 01's within rounding, and
-# every rank assembled the same model (the FSDP form of the replica check: there are no replicas to
-# compare, as each rank holds different rows).
+# its rows. The weights gathered into `model.pt` agree with stage 01's within rounding, and every
+# epoch replays with stage 01's code.
+#
+# DDP's stages also compared the replicas, to catch ranks whose weights drifted apart. Here there is
+# nothing to compare: one copy of the model exists, in pieces (`replica_max_abs_diff` is `None`).
+# What is left to check is that the pieces compute what the whole model would. The run scored the
+# held-out set with the sharded model, which no rank held whole; stage 01's own `evaluate()` on the
+# gathered `model.pt`, in this kernel, must give the same numbers.
 
 # %%
 label = f"08, {s['world_size']} ranks, FSDP2 shards"
-print(f"ranks' assembled models differ by at most {s['replica_max_abs_diff']}")
-assert s["replica_max_abs_diff"] == 0.0
+assert s["replica_max_abs_diff"] is None, s["replica_max_abs_diff"]  # no replicas: each rank holds other rows
+loss01, acc01, count01 = nb.held_out_by_01(fsdp)
+print(f"held-out, the sharded model (the run):     loss {s['eval_loss']:.12f} | accuracy {s['eval_accuracy']:.2%} "
+      f"({s['eval_count']} samples)")
+print(f"held-out, stage 01's evaluate(model.pt):   loss {loss01:.12f} | accuracy {acc01:.2%} ({count01} samples)")
+assert (s["eval_count"], s["eval_accuracy"]) == (count01, acc01), (s["eval_count"], s["eval_accuracy"], count01, acc01)
+assert abs(s["eval_loss"] - loss01) <= nb.ATOL, (s["eval_loss"], loss01)
 diffs = nb.compare(ref, {label: fsdp})
 assert max(diffs.values()) <= nb.ATOL, diffs
 nb.plot_runs(ref, {label: fsdp}, "08 over 01: one curve", ref_label="01, 1 × 64")
