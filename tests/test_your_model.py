@@ -12,7 +12,8 @@ The page's blocks are tagged by a comment on the line before them:
     <!-- output: approx -->       the same, with the numbers of a training run within rounding of another CPU
     <!-- output-part: SCRIPT -->  ```text: consecutive lines of what the run block of SCRIPT printed
 
-Cost here: the page's commands once (2 torchrun launches of 2 ranks, 5 plain python processes: ~35 CPU-s), and
+Cost here: the page's commands once (2 torchrun launches of 2 ranks, 5 plain python processes: ~35 CPU-s), the
+FSDP check's negative control (the page's fsdp.py command once more, on a copy without set_epoch: ~8 CPU-s), and
 one row of the lr benchmark in this process (40 steps: a second or two).
 """
 from __future__ import annotations
@@ -185,13 +186,44 @@ def test_ddp_and_fsdp_print_once_and_count_every_held_out_sample_once(ran):
         assert count == N_EVAL and float(accuracy.rstrip("%")) > 90, f"{script}\n{out}"
 
 
-def test_fsdp_computes_the_training_of_ddp(ran):
-    """Same data, same seed, same global batch: FSDP2 ends at DDP's weights, to float32 rounding (~1e-6 here)."""
+SET_EPOCH = "        sampler.set_epoch(epoch)  # a new order each epoch"
+
+
+@pytest.fixture(scope="module")
+def fsdp_without_set_epoch(ran, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The negative control of the FSDP check: the page's own fsdp.py command, as written, on a copy of fsdp.py that
+    forgets sampler.set_epoch (every epoch repeats epoch 0's order: a classic bug, and one that runs without an
+    error). Returns its model.pt. One more 2-rank launch (~8 CPU-s)."""
+    copy = tmp_path_factory.mktemp("your_model_control")
+    shutil.copytree(HERE, copy / "your_model", ignore=shutil.ignore_patterns("__pycache__", "runs"))
+    script = copy / "your_model" / "fsdp.py"
+    text = script.read_text()
+    assert text.count(SET_EPOCH) == 1, "fsdp.py's set_epoch line changed: update SET_EPOCH"
+    script.write_text(text.replace(SET_EPOCH, SET_EPOCH.replace("sampler.set_epoch(epoch)", "pass")))
+    (block,) = [b for b in RUNS if "your_model/fsdp.py" in b.body.split("\n")[0]]
+    env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+           "CUDA_VISIBLE_DEVICES": ""}
+    run = run_job([["bash", "-euo", "pipefail", "-c", block.body]], copy, env=env, timeout=240, cwd=copy)
+    assert run.returncode == 0 and not run.survivors, run.describe()
+    return copy / "runs" / "fsdp" / "model.pt"
+
+
+def weight_gap(a: Path, b: Path) -> float:
+    x, y = (torch.load(p, weights_only=True) for p in (a, b))
+    assert x.keys() == y.keys()
+    return max((x[k] - y[k]).abs().max().item() for k in x)
+
+
+def test_fsdp_computes_the_training_of_ddp(ran, fsdp_without_set_epoch):
+    """Same data, same seed, same global batch: FSDP2 ends at DDP's weights, to float32 rounding (measured here: 0,
+    bit for bit, as 2 ranks' gradients average exactly; another reduction order would leave ~1e-6 after 5 epochs,
+    what stage 01 and DDP differ by). The tolerance, 1e-4, sits far below what a bug does: the control, the same
+    command with fsdp.py forgetting set_epoch, ends 0.20 from DDP."""
     ddp, fsdp = (run_of(ran, f"your_model/{s}.py").out / "runs" / s / "model.pt" for s in ("ddp", "fsdp"))
-    a, b = (torch.load(p, weights_only=True) for p in (ddp, fsdp))
-    assert a.keys() == b.keys()
-    gap = max((a[k] - b[k]).abs().max().item() for k in a)
+    gap = weight_gap(ddp, fsdp)
     assert gap < 1e-4, f"FSDP2's weights are {gap:.2e} from DDP's"
+    control = weight_gap(ddp, fsdp_without_set_epoch)
+    assert control > 1e-4, f"fsdp.py without set_epoch ends {control:.2e} from DDP: the check cannot see that bug"
 
 
 def test_every_saved_file_loads_into_a_plain_model_and_scores_as_its_training_said(ran):
