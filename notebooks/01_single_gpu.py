@@ -46,8 +46,11 @@ nb.show_outline("01_single_gpu")
 # ## Run it
 #
 # Batch 64, the script's default 20 epochs, in float64 (as the tour runs it). The script prints one
-# line per epoch and the held-out result, and writes `summary.json` and `model.pt` into the `--out`
-# directory.
+# line per epoch and the held-out result, and writes three files into the `--out` directory:
+# `summary.json`, `model.pt`, and `trajectory.pt`, the weights and SGD momentum at the start and after
+# every epoch. The later notebooks replay each epoch of a stage's run from that file with this stage's
+# code (the "epoch replay" column of their tables). Only `--out` records it (the `Trajectory` below the
+# lesson's end, which `Trainer.train` calls after each epoch): a run without `--out` copies nothing.
 
 # %%
 ref = nb.reference(cfg, quiet=False)  # the run the later notebooks compare with (nbtools.reference)

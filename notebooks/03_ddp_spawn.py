@@ -120,6 +120,27 @@ assert sorted(sum(per_rank, [])) == sorted(order_01[step * W * b:(step + 1) * W 
 print("the ranks' step together = stage 01's step")
 
 # %% [markdown]
+# That needs `W` to divide the 4,096 samples. With 3 ranks it does not, and `DistributedSampler`
+# evens the ranks out by padding: it repeats the first samples of the epoch's order, so that every
+# rank takes as many. The stages say so before training (the line below is theirs, `padding_note`),
+# and the tour replays such a run with stage 01's code on that same padded order (`epoch_samples` in
+# `summary.json`).
+
+# %%
+s03 = nb.load_stage("03_ddp_spawn")
+print(s03.padding_note(N, 3))
+ranks3 = []
+for rank in range(3):
+    sampler = DistributedSampler(range(N), num_replicas=3, rank=rank, shuffle=True, seed=seed)
+    sampler.set_epoch(epoch)
+    ranks3.append(list(sampler))
+padded = [i for position in range(len(ranks3[0])) for i in (r[position] for r in ranks3)]  # back in order
+extra = len(padded) - N  # what the sampler added
+assert extra == 2 and padded == order_01 + order_01[:extra], "not stage 01's order with its first samples repeated"
+print(f"3 ranks × {len(ranks3[0])} = {len(padded)} samples an epoch: stage 01's order, then its first {extra} "
+      f"again ({padded[N:]})")
+
+# %% [markdown]
 # ## What changed from stage 02
 #
 # The main additions: `main` picks `MASTER_ADDR`/`MASTER_PORT` and calls `mp.spawn`; `ddp_setup`
