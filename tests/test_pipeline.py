@@ -14,10 +14,23 @@ import os
 from unittest import mock
 
 import pytest
+import sync_sends
 import torch
 
 from conftest import CONFIGS, readme_run
-from harness import ROOT, Run, check, launch, load_copy, load_stage, mutate, replay_error, tolerance, with_args
+from harness import (
+    ROOT,
+    Run,
+    check,
+    launch,
+    launch_commands,
+    load_copy,
+    load_stage,
+    mutate,
+    replay_error,
+    tolerance,
+    with_args,
+)
 
 STAGE = "10_pipeline_parallel"
 TOL = tolerance("float64")
@@ -152,3 +165,80 @@ def test_the_readme_shows_the_committed_bubble_measurements():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.readme_table(ROOT / "benchmarks" / "pipeline_bubble.csv") in (ROOT / STAGE / "README.md").read_text()
+
+
+# dp 2 x pp 2 (4 processes) and pp 3 (3): settings where M does not divide the batch and the global batch does not
+# divide the 4096 samples, so every batch is padded, an epoch's last batch more (at dp 2 x pp 2 a micro-batch of it is
+# padding only). Some runs go through tests/sync_sends.py, which makes gloo's messages complete only once received
+# and run in order, as NCCL's: they must finish, and compute the same bits as the runs without it.
+GRID = {  # setting -> (the launch, {program: through sync_sends?})
+    "dp 2 x pp 2": (with_args(CONFIGS["10"], "--batch-size", "48", "--microbatches", "5", "--epochs", "2", nproc=4),
+                    {"library": False, "gpipe": True, "1f1b": True}),
+    "pp 3": (with_args(CONFIGS["10"], "--pp", "3", "--batch-size", "100", "--microbatches", "3", "--epochs", "2",
+                       nproc=3),
+             {"library": True, "gpipe": False, "1f1b": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Run]]:
+    """Each setting of GRID run by the library's train.py (its 1F1B) and by by_hand.py with either schedule."""
+    done: dict[str, dict[str, Run]] = {}
+    for setting, (step, synchronous) in GRID.items():
+        for program, wrap in synchronous.items():
+            script = ROOT / STAGE / ("train.py" if program == "library" else "by_hand.py")
+            this = step if program == "library" else with_args(step, "--schedule", program)
+            out = tmp_path_factory.mktemp(f"{setting.replace(' ', '')}_{program}")
+            cmds = this.commands(out, script)
+            done.setdefault(setting, {})[program] = check(
+                launch_commands(sync_sends.wrapped(cmds, script) if wrap else cmds, out, this.env, timeout=300))
+    return done
+
+
+def test_by_hand_is_the_library_to_the_bit_at_dp_2_x_pp_2_and_pp_3(grid):
+    """At both settings each schedule by hand ends at the library's weights and momentum after every epoch, with its
+    losses and held-out metrics exactly: the same padding, the same loss (a sum over the real rows divided by the
+    batch's samples), micro-batches cut as torch cuts them, the evaluation through the pipeline. And the library
+    computes stage 01's training there (the replay): the padding rows count for nothing."""
+    for setting, runs in grid.items():
+        library = runs["library"]
+        s = library.summary
+        m, pp, dp = s["microbatches"], s["pp"], s["dp"]
+        assert (dp * pp, s["world_size"]) == (GRID[setting][0].nproc, GRID[setting][0].nproc), setting
+        assert s["batch_size"] % m and 4096 % s["global_batch"], f"{setting}: a padded batch and a short last one"
+        assert replay_error(s, library.trajectory) <= TOL, setting
+        for schedule in ("gpipe", "1f1b"):
+            run = runs[schedule]
+            assert (run.summary["schedule"], run.summary["steps"]) == (schedule, s["steps"]), (setting, schedule)
+            assert all(torch.equal(run.model[k], library.model[k]) for k in library.model), (setting, schedule)
+            for mine, theirs in zip(run.trajectory, library.trajectory, strict=True):
+                assert all(torch.equal(a, b) for a, b in zip(mine["params"], theirs["params"], strict=True))
+                assert all(a is b is None or torch.equal(a, b)
+                           for a, b in zip(mine["momentum"], theirs["momentum"], strict=True)), (setting, schedule)
+            assert run.summary["losses"] == s["losses"], (setting, schedule)
+            assert [run.summary[k] for k in ("eval_loss", "eval_accuracy", "eval_count")] == \
+                [s[k] for k in ("eval_loss", "eval_accuracy", "eval_count")] and s["eval_count"] == 1001
+            assert run.summary["replica_max_abs_diff"] == 0.0
+
+
+def test_synchronous_in_order_messages_change_nothing(grid):
+    """The runs through tests/sync_sends.py (a send done only once received, one message after another, as on NCCL)
+    finished (the fixture checked it) and equal the others to the bit (the test above). Here: the emulation was in
+    their way, every rank's every message: a stage of by_hand.py exchanges 2 messages per micro-batch per neighbour in
+    a training step (activations and a gradient) and 1 in an evaluation batch; the runs without it have no report."""
+    for setting, runs in grid.items():
+        for program, wrapped in GRID[setting][1].items():
+            run, counted = runs[program], sync_sends.messages(runs[program].stderr)
+            if not wrapped:
+                assert counted == {}, (setting, program)
+                continue
+            s = run.summary
+            m, pp, dp = s["microbatches"], s["pp"], s["dp"]
+            rows = -(-s["batch_size"] // m) * m  # an evaluation batch: a training batch's rows, padded
+            assert sorted(counted) == list(range(dp * pp)) and all(counted.values()), (setting, program, counted)
+            if program == "library":
+                continue  # torch's schedule also sends its shapes; its messages are its own business
+            for rank, n in counted.items():
+                neighbours = (rank % pp > 0) + (rank % pp < pp - 1)
+                eval_batches = -(-len(range(rank // pp, 1001, dp)) // rows)
+                assert n == neighbours * (s["steps"] * 2 * m + eval_batches * m), (setting, program, rank, n)
