@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
@@ -258,6 +258,9 @@ def evaluate_sharded(model: nn.Module, dataset: TensorDataset, device: torch.dev
         logits = model(x)
         totals += torch.tensor([F.cross_entropy(logits, y, reduction="sum").item(),
                                 (logits.argmax(dim=1) == y).sum().item(), len(y)], dtype=torch.float64, device=device)
+    for unit in model.modules():  # a forward leaves a unit gathered when no backward follows to free it (the root
+        if isinstance(unit, FSDPModule):  # always; every unit with --no-reshard-after-forward): shard them again
+            unit.reshard()
     model.train()
     dist.all_reduce(totals, group=group)  # one sum over the dp ranks
     loss_sum, correct, count = totals.tolist()
