@@ -159,8 +159,8 @@ class Pipe:
     def exchange(self, outgoing: tuple | None, coming: tuple[str, int] | None, rows: int) -> None:
         """Send `outgoing` and receive the input of the `coming` computation, posted together.
 
-        A send may complete only once its receiver takes it: so on NCCL above its eager size, which also runs the
-        messages of a communicator in order, one after another. Two stages that each sent first and only then received
+        A send may complete only once its receiver takes it (on NCCL above its eager size; NCCL also runs the
+        messages of a communicator in order, one after another). Two stages that each sent first and only then received
         would wait for each other for ever: in 1F1B, stage 0 sends the activations of micro-batch 1 and waits for the
         gradient of 0, while stage 1 sends that gradient and waits for those activations. One batch_isend_irecv posts a
         send and a receive at once, and 1F1B's steady state pairs them with one neighbour: after F(m) the activations
