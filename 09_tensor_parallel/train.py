@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -100,10 +100,16 @@ def padding_note(n: int, world_size: int) -> str | None:
             f"{n % world_size} instead")
 
 
-def make_mesh(device: torch.device, tp: int) -> DeviceMesh:
-    """Ranks in a grid of dp rows of tp: rank r sits in row r // tp, column r % tp (consecutive ranks: one node)."""
-    # An explicit mesh on the training device: the default is cuda wherever a GPU is visible (pytorch#132471).
-    return init_device_mesh(device.type, (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+def make_mesh(device: torch.device, shape: tuple[int, int], names: tuple[str, str], timeout: float) -> DeviceMesh:
+    """Ranks in a grid of shape[0] rows of shape[1] (rank r in row r // shape[1]: consecutive ranks, one node), a
+    process group for each column (names[0]) and each row (names[1]), every one waiting --timeout like the world's:
+    init_device_mesh would give them the backend's default, 30 minutes, so a stalled rank would hang the job."""
+    grid = torch.arange(dist.get_world_size()).reshape(shape)
+    wait = timedelta(seconds=timeout)
+    columns, _ = dist.new_subgroups_by_enumeration(grid.T.tolist(), timeout=wait)  # every rank makes every group
+    rows, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=wait)
+    # On the training device explicitly: the default is cuda wherever a GPU is visible (pytorch#132471).
+    return DeviceMesh.from_group([columns, rows], device.type, mesh=grid, mesh_dim_names=names)
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) -> None:
@@ -428,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(stale)
     ddp_setup(ddp, device, args.timeout)
     try:
-        mesh = make_mesh(device, args.tp)
+        mesh = make_mesh(device, (world_size // args.tp, args.tp), ("dp", "tp"), args.timeout)
         train(rank, world_size, device, args, mesh, gather_layout(node_rank, local_rank, mesh), snapshot)
     except RuntimeError as e:  # gloo raises a peer's death or stall here, as a timeout or a closed connection
         if (hint := explain_peer_failure(e, args.timeout)) is not None:

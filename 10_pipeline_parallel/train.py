@@ -30,7 +30,7 @@ if torch.__version__ < (2, 6):  # torch.distributed.pipelining's PipelineStage, 
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
@@ -274,6 +274,18 @@ def ddp_setup(ddp: bool, device: torch.device, timeout: float) -> None:
                                 timeout=timedelta(seconds=timeout))
 
 
+def make_mesh(device: torch.device, shape: tuple[int, int], names: tuple[str, str], timeout: float) -> DeviceMesh:
+    """Ranks in a grid of shape[0] rows of shape[1] (rank r in row r // shape[1]: consecutive ranks, one node), a
+    process group for each column (names[0]) and each row (names[1]), every one waiting --timeout like the world's:
+    init_device_mesh would give them the backend's default, 30 minutes, so a stalled rank would hang the job."""
+    grid = torch.arange(dist.get_world_size()).reshape(shape)
+    wait = timedelta(seconds=timeout)
+    columns, _ = dist.new_subgroups_by_enumeration(grid.T.tolist(), timeout=wait)  # every rank makes every group
+    rows, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=wait)
+    # On the training device explicitly: the default is cuda wherever a GPU is visible (pytorch#132471).
+    return DeviceMesh.from_group([columns, rows], device.type, mesh=grid, mesh_dim_names=names)
+
+
 def gather_layout(node_rank: int, local_rank: int, mesh: DeviceMesh) -> list[dict]:
     """Every rank's place in the job and in the mesh, gathered so rank 0 can show the whole grid."""
     me = {"rank": dist.get_rank(), "node": node_rank, "local_rank": local_rank, "host": socket.gethostname(),
@@ -350,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     ddp_setup(ddp, device, args.timeout)
     try:
         # Ranks in a grid of dp rows of pp: rank r is stage r % pp of pipeline r // pp (a pipeline on one node).
-        mesh = init_device_mesh(device.type, (world_size // args.pp, args.pp), mesh_dim_names=("dp", "pp"))
+        mesh = make_mesh(device, (world_size // args.pp, args.pp), ("dp", "pp"), args.timeout)
         train(rank, world_size, device, args, mesh, gather_layout(node_rank, local_rank, mesh))
     except RuntimeError as e:  # gloo raises a peer's death or stall here, as a timeout or a closed connection
         if (hint := explain_peer_failure(e, args.timeout)) is not None:

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -185,9 +185,16 @@ def load_train_objs(args: argparse.Namespace, corpus: Corpus, device: torch.devi
 
 # ─── What the stages taught: who holds and computes what ───────────────────────────────────────────────────────────
 
-def make_mesh(device: torch.device, tp: int) -> DeviceMesh:
-    """Stage 09's grid: dp rows of tp ranks; rank r in row r // tp (consecutive ranks, so a row lies in a node)."""
-    return init_device_mesh(device.type, (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+def make_mesh(device: torch.device, shape: tuple[int, int], names: tuple[str, str], timeout: float) -> DeviceMesh:
+    """Stage 09's grid: shape[0] rows of shape[1] ranks (rank r in row r // shape[1]: consecutive ranks, one node),
+    a process group for each column (names[0]) and each row (names[1]), every one waiting --timeout like the world's:
+    init_device_mesh would give them the backend's default, 30 minutes, so a stalled rank would hang the job."""
+    grid = torch.arange(dist.get_world_size()).reshape(shape)
+    wait = timedelta(seconds=timeout)
+    columns, _ = dist.new_subgroups_by_enumeration(grid.T.tolist(), timeout=wait)  # every rank makes every group
+    rows, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=wait)
+    # On the training device explicitly: the default is cuda wherever a GPU is visible (pytorch#132471).
+    return DeviceMesh.from_group([columns, rows], device.type, mesh=grid, mesh_dim_names=names)
 
 
 # Stage 09's pairing, on a transformer block: q, k and v split column-wise (each tp rank computes whole heads, its
@@ -575,7 +582,8 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(stale)
     ddp_setup(ddp, device, args.timeout)
     try:
-        train(rank, world_size, device, args, make_mesh(device, args.tp), snapshot)
+        mesh = make_mesh(device, (world_size // args.tp, args.tp), ("dp", "tp"), args.timeout)
+        train(rank, world_size, device, args, mesh, snapshot)
     except RuntimeError as e:  # gloo raises a peer's death or stall here, as a timeout or a closed connection
         if (hint := explain_peer_failure(e, args.timeout)) is not None:
             print(f"[{STAGE}] rank {rank}: {hint}", file=sys.stderr)
