@@ -1,0 +1,310 @@
+"""The READMEs' output blocks are what their commands print today: a ```text block that shows a command's output is
+compared, line by line, with the output of the suite's own run of that command.
+
+test_readme_commands.py runs every README command block (in the background, once per session: conftest.readme_run,
+and the tour's block as conftest.tour); the tests here read those runs, launching nothing. For each ```text block
+named in SHOWN, every line it shows must be printed by the command block named beside it, in the order shown (a
+README may leave lines out: a line `...`, or "the epoch lines left out"), with:
+
+- the words, the punctuation and the deterministic numbers as shown: losses, accuracies, step and sample counts,
+  bytes, replay errors. A decimal may differ by one unit in its last shown digit (float32 rounds differently on
+  another CPU; in float64 they agree to the digit), an integer not at all; a bfloat16 run's decimals by 1% (BF16);
+- the numbers that measure the machine masked, each only where it stands: durations (`0.05s`, `8.4 s`,
+  `2.28 ms/step`), throughput (`21,687 tokens/s`), the tour table's two time columns, process ids, the host name
+  in the node lines;
+- `...` inside a line stands for text cut out of it (a long line, a path); launchers' log lines (`W1123 01:01:27...`,
+  torchrun's OMP_NUM_THREADS banner) are not compared: they depend on the environment the command ran in.
+
+Skipped blocks, each with its reason (SKIPPED): diagrams and listings that explain rather than show a run; outputs of
+commands given in the prose, not of a block that runs here (the 600-step GPT run, `tour.py --dtype float32`, a
+session with a killed worker, Slurm's transcript); outputs of blocks that do not run here (GPUs, container builds:
+those blocks carry their own not-run reason); a failure whose messages race between ranks. A test checks that every
+```text block is either compared or skipped with a reason, so a new output block has to be placed in one list.
+
+The tour's block is compared only where the tour runs its Slurm row (Slurm installed, as .ci/run installs it):
+without Slurm the tour prints one row fewer, as it should. The READMEs show what the commands print on a CPU; their
+blocks run with the machine's GPUs visible (test_readme_commands), so on a machine with GPUs the comparison is skipped.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from conftest import readme_run
+from harness import ROOT, slurm_missing
+from readme_blocks import BLOCKS, TOURS, Block, block_showing, why_skipped
+
+# A number as the scripts print it: 1,234 | 0.0483 | 97.10 | 5.8e-16 | -0.0001 | +0.0001
+NUMBER = r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?"
+# Numbers that measure the machine, not the computation: matched where they stand, compared as "some number".
+MACHINE = [
+    r"\d+(?:\.\d+)?(?=\s?m?s\b)",  # a duration: 0.05s, 9.58s (compiling), 8.4 s, 2.28 ms/step, [0.6 s]
+    r"[\d,]+(?:\.\d+)?(?= (?:tokens|samples)/s\b)",  # a throughput
+    r"(?<=\bpid )\d+",  # a process id
+]
+HOST = r"(?<=\bnode \d \()[^)]+(?=\) \| local rank)"  # the machine's name in the node lines
+LOG_LINE = re.compile(r"^\[?[WEI]\d{4} \d\d:\d\d:\d\d")  # glog's prefix: torch's and torchrun's log lines
+
+
+@dataclass(frozen=True)
+class Shown:
+    doc: str  # the README, from the repository's root
+    first: str  # how the ```text block's first line starts: which block of the README
+    command: str  # the start of a command of the bash block whose output it is, in the same README
+    machine: tuple[str, ...] = ()  # more numbers that measure the machine in this block (regexes)
+    any_order: bool = False  # lines printed by several processes at once: their order is a race
+    rel: float = 0.0  # a decimal may also differ by this fraction of itself (bfloat16 runs: see BF16)
+
+    @property
+    def id(self) -> str:
+        return f"{self.doc}: {self.first}"
+
+
+# bfloat16 keeps 8 bits of mantissa (rounding 0.4%), and how a CPU's kernels round its products differs between
+# machines: the mixed-precision recipe's README shows a held-out loss of 0.0836 and 0.0781 and an accuracy of 96.40%;
+# here it prints 0.0837, 0.0785 and 96.50%, with today's code and with the code of the day the README was written.
+BF16 = 0.01
+TOUR_TIMES = (r"\d+\.\d+(?=\s+\d+\.\d+$)", r"\d+\.\d+$")  # the table's last two columns: train s, wall s
+
+SHOWN = [
+    Shown("01_single_gpu/README.md", "[01_single_gpu] device cpu",
+          "python 01_single_gpu/train.py --device cpu --epochs 5"),
+    Shown("02_dataparallel/README.md", "[02_dataparallel] device cpu", "python 02_dataparallel/train.py --device cpu"),
+    Shown("03_ddp_spawn/README.md", "[03_ddp_spawn] world size 2", "python 03_ddp_spawn/train.py --world-size 2"),
+    Shown("04_ddp_torchrun/README.md", "W1123",
+          "torchrun --standalone --nproc_per_node=2 04_ddp_torchrun/train.py --batch-size 32"),
+    Shown("05_multinode/README.md", "[05_multinode] world size 2",
+          "OMP_NUM_THREADS=1 torchrun --nnodes=2 --nproc_per_node=1 --node_rank=0 --master_addr=127.0.0.1 "
+          "--master_port=29500 05_multinode/train.py --device cpu --batch-size 32"),
+    Shown("05_multinode/README.md", "[W1123 01:36:40",
+          'ip netns exec host0 env OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=eth1 "$(which python)" -m '
+          "torch.distributed.run --nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d --rdzv_endpoint=10.123.0.1:29500 "
+          "--rdzv_id=demo --rdzv_conf=is_host=1 --local_addr=10.123.0.1 05_multinode/train.py --device cpu "
+          "--batch-size 32"),
+    Shown("07_model_parallel/README.md", "[07_model_parallel] world size 2 | backend gloo | device cpu | batch",
+          "torchrun --standalone --nproc_per_node=2 07_model_parallel/train.py --device cpu"),
+    Shown("07_model_parallel/README.md", "[07_model_parallel] world size 2 | backend gloo | device cpu (no GPU",
+          "torchrun --standalone --nproc_per_node=2 07_model_parallel/train.py --snapshot runs/06_to_07.pt"),
+    Shown("08_fsdp/README.md", "held-out: loss",
+          "torchrun --standalone --nproc_per_node=2 08_fsdp/train.py --epochs 5 --snapshot runs/08_reshard "
+          "--out runs/08"),
+    Shown("09_tensor_parallel/README.md", "[09_tensor_parallel] world size 4",
+          "torchrun --standalone --nproc_per_node=4 09_tensor_parallel/train.py --epochs 2 --tp 2 --batch-size 32"),
+    Shown("10_pipeline_parallel/README.md", "[10_pipeline_parallel] world size 2",
+          "torchrun --standalone --nproc_per_node=2 10_pipeline_parallel/train.py --batch-size 64 --epochs 5 "
+          "--out runs/10"),
+    Shown("README.md", "tour: stages", ".venv/bin/python tour.py --out runs/tour", machine=TOUR_TIMES),
+    Shown("benchmarks/README.md", "dp_vs_ddp: needs 2 or more GPUs", "python3 benchmarks/dp_vs_ddp.py"),
+    Shown("ddp_by_hand/README.md", "[ddp_by_hand/naive]",
+          "torchrun --standalone --nproc_per_node=2 ddp_by_hand/naive.py --batch-size 32 --dtype float64 --epochs 5 "
+          "--out runs/hand_naive"),
+    Shown("ddp_by_hand/README.md", "[ddp_by_hand/bucketed]",
+          "python ddp_by_hand/compare_runs.py runs/hand_naive runs/hand_bucketed --ddp runs/04_2x32"),
+    Shown("ddp_by_hand/README.md", "max |difference| from DDP's", "python ddp_by_hand/vs_ddp.py"),
+    Shown("recipes/comm_hooks/README.md", "--hook allreduce",
+          "torchrun --standalone --nproc_per_node=2 recipes/comm_hooks/train.py --epochs 1"),
+    Shown("recipes/comm_hooks/README.md", "fp16 | epoch replay",
+          "python 01_single_gpu/train.py --dtype float64 --batch-size 64 --epochs 5 --out runs/01"),
+    Shown("recipes/compile/README.md", "[recipes/compile] world size 2",
+          "torchrun --standalone --nproc_per_node=2 recipes/compile/train.py --epochs 3 --out runs/compile"),
+    Shown("recipes/compile/README.md", "%submod_0",
+          "TORCH_LOGS=ddp_graphs torchrun --standalone --nproc_per_node=2 recipes/compile/train.py --epochs 1 "
+          "--bucket-cap-mb 0.01 2>&1 | grep -E \"^\\[rank0\\].*call_module\\[target=submod|^compiled\" | "
+          "sed 's/.*\\[__ddp_graphs\\] *//'"),
+    Shown("recipes/ddp_options/README.md", "gradients 19,984 B",
+          "torchrun --standalone --nproc_per_node=2 recipes/ddp_options/train.py --epochs 1"),
+    Shown("recipes/grad_accumulation/README.md", "[recipes/grad_accumulation] world size 2",
+          "torchrun --standalone --nproc_per_node=2 recipes/grad_accumulation/train.py --batch-size 16 --accumulate 2 "
+          "--epochs 3 --dtype float64 --out runs/accumulate"),
+    Shown("recipes/mixed_precision/README.md", "[recipes/mixed_precision] world size 2",
+          "torchrun --standalone --nproc_per_node=2 recipes/mixed_precision/train.py --epochs 5 --out runs/bf16",
+          rel=BF16),
+    Shown("recipes/mixed_precision/README.md", "epoch 5/5 | train loss 0.0685",
+          "torchrun --standalone --nproc_per_node=2 recipes/mixed_precision/train.py --epochs 5 --clip-grad-norm 0.5",
+          rel=BF16),
+    Shown("recipes/sync_batchnorm/README.md", "recipes/sync_batchnorm/train.py: error",
+          'python recipes/sync_batchnorm/train.py --device cpu 2>&1 || echo "exit status $?"'),
+    Shown("recipes/sync_batchnorm/README.md", "[recipes/sync_batchnorm] world size 2",
+          "python recipes/sync_batchnorm/train.py --batchnorm local --device cpu --batch-size 8 --epochs 2"),
+    Shown("recipes/uneven_inputs/README.md", "[recipes/uneven_inputs] world size 2",
+          "torchrun --standalone --nproc_per_node=2 recipes/uneven_inputs/train.py --epochs 5 --out runs/uneven"),
+    Shown("recipes/uneven_inputs/README.md", "rank 1: [100.1",
+          "torchrun --standalone --nproc_per_node=2 runs/mispair.py", any_order=True),
+]
+
+SKIPPED = {  # (README, how the block's first line starts): why it is not compared
+    ("03_ddp_spawn/README.md", "note: 4096 samples do not split evenly over 3 ranks"):
+        "the line a run at W = 3 prints (tests/test_settings.py checks it); the README's blocks run W = 2 and 4",
+    ("05_multinode/README.md", "LOCAL_RANK 0"): "a diagram of two nodes' ranks",
+    ("05_multinode/README.md", "[.../gloo/transport/tcp/debug_logger.cc"):
+        "the error of a misconfigured run the prose describes (GLOO_SOCKET_IFNAME unset), not a block's output",
+    ("06_checkpoint/README.md", "### killed rank 1"):
+        "a run in which the test process killed a worker (test_checkpoint makes it); the README's command kills none",
+    ("07_model_parallel/README.md", "process (local rank 0)"): "a diagram of the model split over GPUs",
+    ("08_fsdp/README.md", "forward    all-gather body"): "a diagram of one FSDP2 step",
+    ("08_fsdp/README.md", "runs/08_reshard/epoch_0005/"): "a listing of a checkpoint's files, explained line by line",
+    ("09_tensor_parallel/README.md", "tp 0      tp 1"): "a diagram of the dp x tp grid",
+    ("09_tensor_parallel/README.md", "x [B, 8]"): "a diagram of the split layers",
+    ("11_gpt/README.md", "[11_gpt] world size 2 = dp 2 x tp 1"):
+        "the default 600-step run (2 minutes, given in the prose); the README's block runs 20 and 10 steps",
+    ("11_gpt/README.md", "11_gpt/train.py: error: argument --tp"):
+        "the refusals tests/test_gpt.py checks in-process, not a block's output",
+    ("README.md", "01_single_gpu/ … 11_gpt/"): "the repository's layout",
+    ("benchmarks/README.md", "tour: stages 01-09, world size 2, batch 32 per process = 64 global, float32; CPU (gloo)"):
+        "the output of `python tour.py --dtype float32` (20 and 60 epochs, given in the prose), not of the block "
+        "above it",
+    ("docker/README.md", "$ podman run --rm -v ./loader.py"):
+        "a session with a container's shared memory (podman, typed in the prose), not a block's output",
+    ("docker/README.md", "node 0 (node0)"): "the compose job's output: tests/test_containers.py runs it and checks it",
+    ("recipes/README.md", "diff -u 04_ddp_torchrun/train.py"): "a command to type, shown as text",
+    ("recipes/compile/README.md", "$ TORCHINDUCTOR_CACHE_DIR"):
+        "timings gathered over 3 runs of several commands each, summarised by hand",
+    ("recipes/uneven_inputs/README.md", "with Join([self.model]"): "an excerpt of the recipe's code",
+    ("recipes/uneven_inputs/README.md", "terminate called after throwing"):
+        "a job that fails on a collective mismatch: which rank fails first, and what each prints, is a race "
+        "(the block's expect marker checks the exit)",
+    ("slurm/README.md", "$ slurm/local_cluster.sh start"):
+        "a transcript of a session (job ids, wall times, squeue's states over time); tests/test_slurm.py runs it",
+}
+
+
+def text_blocks() -> list[Block]:
+    return [b for b in BLOCKS if b.lang == "text"]
+
+
+def which(doc: str, first: str) -> list[Block]:
+    """The ```text blocks of `doc` whose first line starts with `first` (ignoring leading spaces)."""
+    return [b for b in text_blocks() if str(b.doc.relative_to(ROOT)) == doc
+            and b.body.lstrip().startswith(first)]
+
+
+def pattern(line: str, machine: tuple[str, ...]) -> tuple[re.Pattern, list[str]]:
+    """A regex a printed line must match to be `line`, and the numbers `line` shows, in order (each a group).
+
+    Numbers that measure the machine become "a number", the host name "a name", `...` "anything"; the other numbers
+    are captured, to be compared with a tolerance; runs of spaces match any run of spaces (tables realign)."""
+    masks = [(m.start(), m.end(), r"[\d.,]+") for rx in (*MACHINE, *machine) for m in re.finditer(rx, line)]
+    masks += [(m.start(), m.end(), r"[^)]+") for m in re.finditer(HOST, line)]
+    masks += [(m.start(), m.end(), r".*?") for m in re.finditer(r"\.\.\.|…", line)]
+    masks = sorted(masks)
+    regex, shown, at = [], [], 0
+    for start, end, wildcard in masks + [(len(line), len(line), "")]:
+        if start < at:  # inside an earlier mask
+            continue
+        for i, part in enumerate(re.split(f"({NUMBER})", line[at:start])):
+            if i % 2:
+                regex.append(f"({NUMBER})")
+                shown.append(part)
+            else:
+                regex.append(r"\s+".join(re.escape(w) for w in re.split(r"\s+", part)))
+        regex.append(wildcard)
+        at = end
+    return re.compile("".join(regex)), shown
+
+
+def close(shown: str, printed: str, rel: float = 0.0) -> bool:
+    """A deterministic number as shown and as printed: an integer exactly, a decimal within one unit of its last
+    shown digit (of the mantissa, for 5.8e-16), or within `rel` of itself."""
+    a, b = shown.replace(",", ""), printed.replace(",", "")
+    mantissa, _, exponent = a.lower().partition("e")
+    if "." not in mantissa:
+        return a == b
+    unit = 10.0 ** (-len(mantissa.split(".")[1]) + (int(exponent) if exponent else 0))
+    return abs(float(a) - float(b)) <= max(1.01 * unit, rel * abs(float(a)))
+
+
+def compared(line: str) -> bool:
+    """Whether a shown line is compared: not an elision, not a launcher's log line."""
+    stripped = line.strip()
+    return bool(stripped) and stripped not in ("...", "…") and not LOG_LINE.match(stripped)
+
+
+def drift(entry: Shown, shown: str, printed: str) -> list[str]:
+    """Why `printed` does not show what the README shows: one message per shown line it lacks (empty: it shows it)."""
+    lines = [" ".join(line.split()) for line in printed.splitlines()]
+    problems, at = [], 0
+    for line in (s for s in shown.splitlines() if compared(s)):
+        regex, numbers = pattern(" ".join(line.split()), entry.machine)
+        start = 0 if entry.any_order else at
+        hits = [(i, m) for i, text in enumerate(lines[start:], start) if (m := regex.fullmatch(text))]
+        good = [i for i, m in hits if all(close(a, b, entry.rel) for a, b in zip(numbers, m.groups(), strict=True))]
+        if good:
+            at = good[0] + 1
+        elif hits:
+            problems.append(f"shown:   {line}\n  printed: {lines[hits[0][0]]}")
+        else:
+            problems.append(f"shown:   {line}\n  printed: no line of that shape (after line {at})")
+    return problems
+
+
+def command_block(entry: Shown) -> Block:
+    """The bash block of entry.doc with a command that starts with entry.command."""
+    found = [b for b in BLOCKS if b.lang == "bash" and str(b.doc.relative_to(ROOT)) == entry.doc and any(
+        " ".join(c.split()).startswith(" ".join(entry.command.split())) for c in b.commands())]
+    assert len(found) == 1, f"{entry.id}: expected one bash block with {entry.command!r}, found {[b.id for b in found]}"
+    return found[0]
+
+
+def named_by(block: Block) -> str:
+    """A command of `block` that names it alone (what the readme_run marker and conftest.readme_run take)."""
+    for command in block.commands():
+        try:
+            if block_showing(command) == block:
+                return command
+        except AssertionError:  # shown in another block too
+            continue
+    raise AssertionError(f"{block.id}: every command of it is shown elsewhere too")
+
+
+def runs_needed(entry: Shown) -> list[str]:
+    """The README blocks this entry reads the runs of (by a command of each): its own, and every block before it in
+    its README that runs here (a block may use what an earlier one made, as a reader's would)."""
+    block = command_block(entry)
+    if block in TOURS:
+        return []  # the tour runs once per session (conftest.tour)
+    earlier = [b for b in BLOCKS if b.doc == block.doc and b.lang == "bash" and b.line <= block.line
+               and not why_skipped(b) and b not in TOURS]
+    return [named_by(b) for b in earlier]
+
+
+def output_of(entry: Shown, request: pytest.FixtureRequest) -> str:
+    if torch.cuda.device_count():  # the README blocks run with the GPUs visible: device cuda, not the CPU shown
+        pytest.skip("the READMEs show the CPU's output; here the blocks ran with GPUs visible")
+    block = command_block(entry)
+    if block in TOURS:
+        if (why := slurm_missing()) is not None:  # before asking for the tour: it need not run for nothing
+            pytest.skip(f"without Slurm the tour prints no Slurm row, as it should ({why})")
+        return request.getfixturevalue("tour").run.stdout
+    return readme_run(request.getfixturevalue("readme_runs"), named_by(block)).stdout
+
+
+def text_id(entry: Shown) -> str:
+    """The test's id: the ```text block's place (README:line), or the entry's own id if it names no block."""
+    found = which(entry.doc, entry.first)
+    return found[0].id if len(found) == 1 else entry.id
+
+
+@pytest.mark.parametrize("entry", [pytest.param(e, id=text_id(e), marks=pytest.mark.readme_run(*runs_needed(e)))
+                                   for e in SHOWN])
+def test_the_output_a_readme_shows_is_what_its_command_prints(entry, request):
+    (text,) = which(entry.doc, entry.first)
+    problems = drift(entry, text.body, output_of(entry, request))
+    assert not problems, f"{text.id} drifted from what its command prints now:\n" + "\n".join(problems)
+
+
+def test_every_output_block_is_compared_or_skipped_with_a_reason():
+    """A new ```text block must be placed: in SHOWN (with the command that prints it) or in SKIPPED (with why)."""
+    named = {b.id for e in SHOWN for b in which(e.doc, e.first)}
+    assert all(len(which(e.doc, e.first)) == 1 for e in SHOWN), [e.id for e in SHOWN if len(which(e.doc, e.first)) != 1]
+    skipped = {b.id for (doc, first) in SKIPPED for b in which(doc, first)}
+    assert all(which(doc, first) for doc, first in SKIPPED), [k for k in SKIPPED if not which(*k)]
+    for e in SHOWN:  # each compared block shows a block that runs here, and comes after it in its README
+        block = command_block(e)
+        (text,) = which(e.doc, e.first)
+        assert block.doc == text.doc and block.line < text.line and why_skipped(block) is None, (e.id, block.id)
+    left = [b.id for b in text_blocks() if b.id not in named | skipped]
+    assert not left, f"output blocks neither compared nor skipped with a reason: {left}"
+    assert not named & skipped, named & skipped
