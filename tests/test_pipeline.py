@@ -96,10 +96,10 @@ def test_two_pipelines_of_two_stages_compute_stage_01s_training(runs, tmp_path):
 
 
 def test_a_loss_scaled_twice_is_caught(tmp_path):
-    """The schedule scales each micro-batch's gradient by 1/M itself; a loss divided by M again trains with M times
-    smaller steps, and runs without an error. The replay catches it in one epoch."""
-    path = mutate(STAGE, "loss_fn=F.cross_entropy)", "loss_fn=lambda out, y: F.cross_entropy(out, y) / 4)",
-                  tmp_path / "src")
+    """BatchMeanLoss already makes the micro-batches' losses add up to the batch's mean; letting the schedule scale
+    each micro-batch's gradient by 1/M as well (scale_grads=True, its default) trains with M times smaller steps,
+    and runs without an error. The replay catches it in one epoch."""
+    path = mutate(STAGE, "scale_grads=False", "scale_grads=True", tmp_path / "src")
     run = check(launch(with_args(CONFIGS["10"], "--epochs", "1"), out=tmp_path / "out", script=path))
     assert replay_error(run.summary, run.trajectory) > 1e-3 > TOL
 
@@ -108,7 +108,8 @@ def test_a_loss_scaled_twice_is_caught(tmp_path):
     ("2", [], 2, None), ("1", [], 1, None), ("3", [], 3, None), ("4", [], 2, None), ("8", [], 2, None),
     ("2", ["--pp", "3"], None, "--pp: 3 must divide the world size 2"),
     ("4", ["--pp", "4"], None, "at most the model's 3 layers"),
-    ("2", ["--microbatches", "3"], None, "--microbatches: 3 does not divide --batch-size 64"),
+    ("2", ["--microbatches", "3"], 2, None),  # allowed: 64 rows padded to 66, 3 micro-batches of 22
+    ("2", ["--microbatches", "65"], None, "--microbatches: 65 micro-batches of a --batch-size 64"),
     ("3", ["--microbatches", "2"], None, "1f1b needs at least one micro-batch per stage (3)"),
     ("3", ["--microbatches", "2", "--schedule", "gpipe"], 3, None),  # allowed: GPipe with fewer micro-batches
 ])
