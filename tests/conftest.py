@@ -59,7 +59,7 @@ class Tour:
 
 
 # Run first, while the tour runs in the background: modules that read none of its runs and time nothing.
-BEFORE_THE_TOUR_ENDS = ("test_benchmarks.py", "test_collectives.py")
+BEFORE_THE_TOUR_ENDS = ("test_benchmarks.py", "test_collectives.py", "test_sync_sends.py", "test_gathers.py")
 # Run last: they keep both cores busy alone (the notebooks' kernels; the fault battery, six jobs at a time), and
 # the README test waits for the README commands (so do the tests marked readme_run: they run with it). The modules
 # in between, mostly one job at a time, run beside the README commands.
