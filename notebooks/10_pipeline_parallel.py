@@ -287,9 +287,11 @@ nb.plot_runs(ref, {label: pp_run}, "10 over 01: one curve", ref_label="01, 1 × 
 # ## The schedules by hand, and a measured timeline
 #
 # `by_hand.py` is `train.py` with the library's schedule replaced by the two functions drawn above,
-# on `send`/`recv`: class `Pipe` runs one micro-batch's forward (receive, compute, send on) or
-# backward (receive the gradient, compute, send back), and keeps each micro-batch's activations
-# until its backward. With `--out` it also records when each forward and backward computed, on every
+# on point-to-point messages: the schedules give each stage its order of forwards and backwards, and
+# class `Pipe` runs it. Before each computation one `batch_isend_irecv` sends what the previous one
+# made (activations on, or a gradient back) and receives what this one needs, posted together so that
+# no pair of stages can each wait for the other (NCCL's sends finish only once received). It keeps
+# each micro-batch's activations until its backward. With `--out` it also records when each forward and backward computed, on every
 # rank, in the last step (`timelines`), and the most micro-batches each rank held (`peak_held`).
 # Here it runs GPipe for 2 epochs at the tour's settings otherwise.
 
