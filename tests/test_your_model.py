@@ -13,7 +13,7 @@ The page's blocks are tagged by a comment on the line before them:
     <!-- output-part: SCRIPT -->  ```text: consecutive lines of what the run block of SCRIPT printed
 
 Cost here: the page's commands once (2 torchrun launches of 2 ranks, 5 plain python processes: ~35 CPU-s), the
-FSDP check's negative control (the page's fsdp.py command once more, on a copy without set_epoch: ~8 CPU-s), and
+FSDP check's negative control (the page's fsdp.py command once more, on a copy without set_epoch: ~18 CPU-s), and
 one row of the lr benchmark in this process (40 steps: a second or two).
 """
 from __future__ import annotations
@@ -193,7 +193,7 @@ SET_EPOCH = "        sampler.set_epoch(epoch)  # a new order each epoch"
 def fsdp_without_set_epoch(ran, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The negative control of the FSDP check: the page's own fsdp.py command, as written, on a copy of fsdp.py that
     forgets sampler.set_epoch (every epoch repeats epoch 0's order: a classic bug, and one that runs without an
-    error). Returns its model.pt. One more 2-rank launch (~8 CPU-s)."""
+    error). Returns its model.pt. One more 2-rank launch (~18 CPU-s: 5 epochs of FSDP2)."""
     copy = tmp_path_factory.mktemp("your_model_control")
     shutil.copytree(HERE, copy / "your_model", ignore=shutil.ignore_patterns("__pycache__", "runs"))
     script = copy / "your_model" / "fsdp.py"
