@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness import ROOT, Run, free_port, run_job, slurm_missing
+from harness import ROOT, Run, free_port, plan, run_job, slurm_missing
 
 DOCS = sorted(p for p in ROOT.rglob("README.md") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts))
 FENCE = re.compile(r"(?:<!-- (?P<marker>[^>]*?) -->\n)?```(?P<lang>[^\n]*)\n(?P<body>.*?)```", re.S)
@@ -114,7 +114,42 @@ def run_block(block: Block, copy: Path, env: dict[str, str] | None = None) -> Ru
            # default (a thread per core) a lone `python train.py` waits on its descheduled second thread at every
            # op: measured here at 4-12 s an epoch instead of 0.1 s. The results do not depend on it.
            "OMP_NUM_THREADS": "1", **(env or {})}
-    return run_job(cmds, copy, env=env, timeout=420, cwd=copy)
+    return run_job(cmds, copy, env=env, timeout=time_limit(block), cwd=copy)
+
+
+# A block's time limit: LAUNCH_STARTUPS start-ups of a trivial launch (PROBE), timed just before the block (so as
+# slow as the machine is then), for every program the block launches (launches()). A launch here costs 2-4
+# start-ups alone (a stage's run: its launcher, its workers, 5-20 epochs of a small model), a benchmark's quick run
+# up to ~15 (the benchmarks' README: 70 s for three of them, a start-up 2 s); 40 leaves room for that and for the
+# machine getting busier during the block than when it was timed. A hang is still ended: the tour (13 launches)
+# gets ~17 minutes where a start-up takes 2 s, where it takes 105 s alone.
+LAUNCH_STARTUPS = 40
+PROBE = (sys.executable, "-c", "import torch")  # a trivial launch: what every program of a block pays at least
+PROBE_LIMIT = 600  # only for the probe itself, which has nothing to be measured against: an interpreter that hangs
+LAUNCHER = re.compile(r"(?<![\w-])(?:python3?|torchrun|jupytext)\b")  # a command that starts a program
+LIMITS: dict[str, str] = {}  # block id: how its limit was made (test_readme_commands says it when one is reached)
+
+
+def launches(block: Block) -> int:
+    """Programs `block` starts: each command line that runs Python (torchrun's workers start at once, so a torchrun
+    counts one), and for the tour each of its runs (its plan on the CPU, and the Slurm run)."""
+    count = sum(1 for command in block.commands() if LAUNCHER.search(command))
+    if "tour.py" in block.body:
+        count += len(plan(2, 32, device="cpu", gpus=0)) + 1
+    return max(count, 1)
+
+
+def startup() -> float:
+    """Seconds one trivial launch (PROBE) takes here and now, as the blocks run (run_job)."""
+    run = run_job([list(PROBE)], timeout=PROBE_LIMIT)
+    assert run.returncode == 0, f"the probe of the machine's pace failed\n{run.describe()}"
+    return run.seconds
+
+
+def time_limit(block: Block) -> float:
+    n, unit = launches(block), startup()
+    LIMITS[block.id] = f"{LAUNCH_STARTUPS} x {n} launch(es) x a start-up of {unit:.1f}s timed just before it"
+    return LAUNCH_STARTUPS * n * unit
 
 
 def block_showing(command: str) -> Block:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from harness import ROOT
-from readme_blocks import BLOCKS, COMMANDS, TOURS, why_skipped
+from readme_blocks import BLOCKS, COMMANDS, LIMITS, TOURS, why_skipped
 
 NOT_RUN = {  # the only reasons a command may be left out
     "needs GPUs", "needs several hosts",
@@ -70,7 +70,7 @@ def test_readme_command_runs_as_written(block, request):
     if isinstance(run, BaseException):
         raise run
     where = f"{block.id}\n{run.describe()}"
-    assert run.returncode is not None, f"killed at its time limit: {where}"
+    assert run.returncode is not None, f"killed at its time limit ({LIMITS.get(block.id)}): {where}"
     assert run.returncode == 0, where
     assert not run.survivors, f"processes left running: {where}"
     if "expect" in block.marker:
