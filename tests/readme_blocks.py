@@ -118,11 +118,11 @@ def run_block(block: Block, copy: Path, env: dict[str, str] | None = None) -> Ru
 
 
 # A block's time limit: LAUNCH_STARTUPS start-ups of a trivial launch (PROBE), timed just before the block (so as
-# slow as the machine is then), for every program the block launches (launches()). A launch here costs 2-4
-# start-ups alone (a stage's run: its launcher, its workers, 5-20 epochs of a small model), a benchmark's quick run
-# up to ~15 (the benchmarks' README: 70 s for three of them, a start-up 2 s); 40 leaves room for that and for the
-# machine getting busier during the block than when it was timed. A hang is still ended: the tour (13 launches)
-# gets ~17 minutes where a start-up takes 2 s, where it takes 105 s alone.
+# slow as the machine is then), for every program the block launches (launches()). Measured here, with other jobs
+# on the 2 cores (a start-up 2-5 s), per launch: the tour's runs 7.7 start-ups (213 s), a README's stage runs 4-6,
+# the benchmarks' and tools' quick runs 5-13 (ddp_scaling's, 61 s, the most). 40 leaves three times the most, for a
+# machine that gets busier during a block than when it was timed. A hang is still ended: the tour (13 launches)
+# gets ~17 minutes where a start-up takes 2 s.
 LAUNCH_STARTUPS = 40
 PROBE = (sys.executable, "-c", "import torch")  # a trivial launch: what every program of a block pays at least
 PROBE_LIMIT = 600  # only for the probe itself, which has nothing to be measured against: an interpreter that hangs
