@@ -156,6 +156,8 @@ SKIPPED = {  # (README, how the block's first line starts): why it is not compar
     ("benchmarks/README.md", "tour: stages 01-09, world size 2, batch 32 per process = 64 global, float32; CPU (gloo)"):
         "the output of `python tour.py --dtype float32` (20 and 60 epochs, given in the prose), not of the block "
         "above it",
+    ("benchmarks/README.md", "tour: stages 01-10, world size 2, batch 24 per process = 48 global, float32, lr 0.01"):
+        "the output of a 45-epoch float32 tour at batch 24 (given in the prose, ~10 minutes), not of a block",
     ("docker/README.md", "$ podman run --rm -v ./loader.py"):
         "a session with a container's shared memory (podman, typed in the prose), not a block's output",
     ("docker/README.md", "node 0 (node0)"): "the compose job's output: tests/test_containers.py runs it and checks it",
