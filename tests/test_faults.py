@@ -6,19 +6,19 @@ of the job is left running. The bound is what the case configured (a --timeout, 
 launcher's SIGTERM-to-SIGKILL grace, read from torch) plus a margin measured in the same run: a few times the
 slowest start-up of a trivial launch (`python -c "import torch"`) timed among the cases, under their load. So a
 slower or busier machine loosens the bounds in proportion, and a case that waits for something it did not
-configure (a default timeout, a hang) still fails. The faults are real: signals sent to a worker, a port another process
-holds, a node that never comes, a read-only or full disk, bad files and bad values. The stages
-carry no test hooks.
+configure (a default timeout, a hang) still fails. The faults are real: signals sent to a worker, a port another
+process holds, a node that never comes, a read-only or full disk, bad files and bad values. The stages carry no
+test hooks.
 
 The cases run concurrently, once per session: most of their time is spent waiting for a timeout.
 
-Bad values (every flag of every stage has one) are checked in this process, by calling the stage's
-parse_args(): every check of a value is there, and main() calls it before anything else
-(test_main_checks_values_before_anything_else). Launching the script for each would spend ~3 s of
-CPU importing torch, ~80 times. One bad value per stage is still launched for real, proving the
-script refuses in one line and exit 2 before training. Bad snapshot files are checked in main() too,
-before it joins a process group: each kind runs main() in this process up to that point (test_bad_snapshot_...),
-and one kind per stage is launched for real.
+Bad values (every flag of every stage, recipe and tool has one) are checked in this process, by calling the
+script's parse_args(): every check of a value is there, and main() calls it before anything else
+(test_main_checks_values_before_anything_else); a tool that parses in main() runs main() itself, stopped where its
+checks end (main_until_checked). Launching the script for each would spend ~3 s of CPU importing torch, ~300
+times. One bad value per stage and tool is still launched for real, proving the script refuses in one line and
+exit 2 before training. Bad snapshot files are checked in main() too, before it joins a process group: each kind
+runs main() in this process up to that point (test_bad_snapshot_...), and one kind per stage is launched for real.
 """
 from __future__ import annotations
 
