@@ -120,7 +120,8 @@ class Pace:
 
     @property
     def startup(self) -> float:
-        return max(self.before, *self.among)
+        """The slowest start-up among the cases (the margins' unit): what they met. (Before them: none were timed.)"""
+        return max(self.among or [self.before])
 
     def margin(self, startups: float) -> float:
         return startups * self.startup
