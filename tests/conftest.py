@@ -27,7 +27,7 @@ import pytest
 
 from containers import build_image, engine_env, engine_missing, remove_everything
 from harness import Run, Step, check, load_run, plan
-from readme_blocks import TOURS, Block, block_showing, repo_copy, run_block, run_docs, why_skipped
+from readme_blocks import HIDE_GPUS, TOURS, Block, block_showing, repo_copy, run_block, run_docs, why_skipped
 
 W, B, DTYPE = 2, 32, "float64"
 # The tour's plan here, with --device cpu: the runs the tests launch themselves (a changed copy, more flags).
@@ -40,7 +40,6 @@ assert len(TOURS) == 1, f"README.md should show the tour command once, with --ou
 TOUR = TOURS[0]
 TOUR_OUT = re.search(r"--out (\S+)", TOUR.body)
 assert TOUR_OUT, f"{TOUR.id}: the tour command keeps its runs (--out DIR): the tests read them"
-HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}  # the suite is gloo/CPU, on any machine
 
 
 @dataclass

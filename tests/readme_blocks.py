@@ -186,6 +186,12 @@ LONGEST = [ROOT / "benchmarks" / "README.md", ROOT / "recipes" / "comm_hooks" / 
 AT_ONCE = 2
 
 
+# The READMEs show what their commands print on a CPU, and the suite is gloo/CPU: every block runs with the GPUs
+# hidden, as the tour does (on a 1-GPU machine, `--nproc_per_node=2` would otherwise be refused by the stages'
+# own check). The GPU paths have their own tests: `pytest -m gpu` (tests/test_gpu.py).
+HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
+
+
 def run_docs(blocks: list[Block], tmp: Path) -> dict[str, Run | BaseException]:
     """Each block's run, by id: each README's blocks in order in one copy under `tmp`, AT_ONCE READMEs at a time.
 
@@ -201,7 +207,7 @@ def run_docs(blocks: list[Block], tmp: Path) -> dict[str, Run | BaseException]:
         done: dict[str, Run | BaseException] = {}
         for block in blocks:
             try:
-                done[block.id] = run_block(block, copy)
+                done[block.id] = run_block(block, copy, HIDE_GPUS)
             except BaseException as e:  # a bug here: reported by the block's own test
                 done[block.id] = e
         return done

@@ -606,8 +606,10 @@ def cases() -> list[Case]:
     for stage in STALL_STAGES:  # slow first: they wait for timeouts, and run beside the rest
         # 05: two nodes of two ranks, so the stalled rank 1 shares node 0 with rank 0, whose failure makes
         # that node's torchrun stop it. (A node whose only worker stalls is never told: see README.md.)
+        # 10: dp 2 x pp 2, so the stalled stage's neighbour waits in a send/recv on the pp row's own group, which
+        # must wait --timeout as the world's does (init_device_mesh's subgroups would wait 30 minutes).
         stall = replace(CONFIGS["05"], nproc=2) if stage == "05_multinode" else GPT_FAULT if stage == GPT_STAGE \
-            else None
+            else replace(CONFIGS["10"], nproc=4) if stage == "10_pipeline_parallel" else None
         # The stalled rank cannot obey SIGTERM: the job ends after the healthy ranks' --timeout and the launcher's
         # whole grace (not less: at_least), then SIGKILL.
         grace = launcher_grace((stall or CONFIGS[stage[:2]]).launcher)

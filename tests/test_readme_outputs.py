@@ -22,8 +22,8 @@ those blocks carry their own not-run reason); a failure whose messages race betw
 ```text block is either compared or skipped with a reason, so a new output block has to be placed in one list.
 
 The tour's block is compared only where the tour runs its Slurm row (Slurm installed, as .ci/run installs it):
-without Slurm the tour prints one row fewer, as it should. The READMEs show what the commands print on a CPU; their
-blocks run with the machine's GPUs visible (test_readme_commands), so on a machine with GPUs the comparison is skipped.
+without Slurm the tour prints one row fewer, as it should. The READMEs show what the commands print on a CPU, and their
+blocks run with the GPUs hidden (readme_blocks.HIDE_GPUS), on any machine.
 """
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ import re
 from dataclasses import dataclass
 
 import pytest
-import torch
 
 from conftest import readme_run
 from harness import ROOT, slurm_missing
@@ -273,8 +272,6 @@ def runs_needed(entry: Shown) -> list[str]:
 
 
 def output_of(entry: Shown, request: pytest.FixtureRequest) -> str:
-    if torch.cuda.device_count():  # the README blocks run with the GPUs visible: device cuda, not the CPU shown
-        pytest.skip("the READMEs show the CPU's output; here the blocks ran with GPUs visible")
     block = command_block(entry)
     if (why := why_skipped(block)) is not None:  # as root, with Slurm: not on every machine
         pytest.skip(f"{block.id} does not run here: {why}")
