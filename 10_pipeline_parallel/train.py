@@ -334,7 +334,7 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
     loss_sum, correct, count = evaluate_pipeline(trainer, eval_set)
     # The copies of a stage in the dp pipelines averaged the same gradients, so they must be equal: the largest
     # difference of any stage, agreed by every rank (max over all), so that all stop below together if it is not 0.
-    max_diff = torch.tensor(replica_max_abs_diff(model, mesh.get_group("dp")))
+    max_diff = torch.tensor(replica_max_abs_diff(model, mesh.get_group("dp")), device=device)  # nccl: on the GPU
     dist.all_reduce(max_diff, op=dist.ReduceOp.MAX)
     max_diff = max_diff.item()
     if master_process:
