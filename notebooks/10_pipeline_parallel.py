@@ -291,8 +291,9 @@ nb.plot_runs(ref, {label: pp_run}, "10 over 01: one curve", ref_label="01, 1 × 
 # class `Pipe` runs it. Before each computation one `batch_isend_irecv` sends what the previous one
 # made (activations on, or a gradient back) and receives what this one needs, posted together so that
 # no pair of stages can each wait for the other (NCCL's sends finish only once received). It keeps
-# each micro-batch's activations until its backward. With `--out` it also records when each forward and backward computed, on every
-# rank, in the last step (`timelines`), and the most micro-batches each rank held (`peak_held`).
+# each micro-batch's activations until its backward. With `--out` it also records when each forward
+# and backward computed, on every rank, in the last step (`timelines`), and the most micro-batches
+# each rank held (`peak_held`).
 # Here it runs GPipe for 2 epochs at the tour's settings otherwise.
 
 # %%
