@@ -191,8 +191,11 @@ def _report_at_exit() -> None:
         if not reported:
             reported.append(True)
             messages = _stream.messages if _stream is not None else 0
-            print(f"sync_sends: rank {os.environ.get('RANK', 0)}: {messages} messages, each taken before the next "
-                  f"began", file=sys.stderr, flush=True)
+            rank = os.environ.get("RANK", 0)
+            line = f"sync_sends: rank {rank}: {messages} messages, each taken before the next began"
+            sys.stderr.flush()
+            os.write(2, f"{line}\n".encode())  # one write: the ranks share stderr, and unbuffered print() writes the
+            # line's end apart, so another rank's line could land in between
 
     def exit_(status: int) -> None:
         report()
