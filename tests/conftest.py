@@ -11,9 +11,9 @@ Most of the suite's CPU time is spent starting processes (importing torch, the f
 at a time: alone, most modules keep the 2 cores 50-70 % busy. So the session runs several things at once. In
 the background, from the start: the tour, then every other README command (test_readme_commands checks those);
 beside them, the container image's build, which mostly waits (tests/containers.py). In the foreground: first
-the modules that read no runs (BEFORE_THE_TOUR_ENDS), then the others (the first test that needs a run waits
-for the whole tour), and last (LAST) those that keep both cores busy on their own; the fault battery, whose
-time bounds assume nothing else runs, waits for the background to finish.
+the modules that read no runs (BEFORE_THE_TOUR_ENDS, the fault battery among them: its bounds are measured under
+the load it meets), then the others (the first test that needs a run waits for the whole tour), and last (LAST)
+those that keep both cores busy on their own or wait for the README commands.
 """
 from __future__ import annotations
 
@@ -57,17 +57,20 @@ class Tour:
                     f"{self.run.describe()}")
 
 
-# Run first, while the tour runs in the background: modules that read none of its runs and time nothing.
-BEFORE_THE_TOUR_ENDS = ("test_benchmarks.py", "test_collectives.py", "test_sync_sends.py", "test_gathers.py")
-# Run last: they keep both cores busy alone (the notebooks' kernels; the fault battery, six jobs at a time), and
-# the README test waits for the README commands (so do the tests marked readme_run: they run with it). The modules
-# in between, mostly one job at a time, run beside the README commands.
-LAST = ("test_notebooks.py", "test_readme_commands.py", "test_faults.py")
+# Run first, while the tour runs in the background: modules that read none of its runs. The fault battery is one:
+# its cases mostly wait (a --timeout, a launcher's grace), and its time bounds are made of what each case configured
+# plus start-ups timed among the cases, under whatever load there is (test_faults.Pace), so it shares the cores.
+BEFORE_THE_TOUR_ENDS = ("test_faults.py", "test_benchmarks.py", "test_collectives.py", "test_sync_sends.py",
+                        "test_gathers.py")
+# Run last: the notebooks keep both cores busy alone (their kernels), and the README test waits for the README
+# commands (so do the tests marked readme_run: they run with it). The modules in between, mostly one job at a time,
+# run beside the README commands.
+LAST = ("test_notebooks.py", "test_readme_commands.py")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--sweep", choices=("covering", "full"), default="covering",
-                     help="tests/test_settings.py: the covering table (CI) or the full grid of settings (~1 h)")
+                     help="tests/test_settings.py: the covering table (CI) or the full grid (1,030 launches, 2-3 h)")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -761,11 +761,10 @@ def place(paths, pace) -> Iterator[Place]:
 
 
 @pytest.fixture(scope="module")
-def outcomes(place, request, background) -> dict[str, Outcome | BaseException]:
+def outcomes(place, request) -> dict[str, Outcome | BaseException]:
     """Every selected case's outcome, POOL cases at a time (the slow ones mostly wait), and the start-up timed among
     them three times: beside the first cases, halfway, and beside the last (None in the queue: a probe)."""
     chosen = selected(request, "test_fault", "case")
-    background.wait()  # nothing but the battery (and whatever else this machine runs) shares the cores
     queue: list[Case | None] = list(chosen)
     for at in (len(queue), len(queue) // 2, 0):
         queue.insert(at, None)
