@@ -105,7 +105,8 @@ def main() -> None:
     # One file for inference: every rank must call this (it gathers the shards); with cpu_offload, only rank 0
     # receives the whole model, in CPU memory (the other ranks get an empty dict).
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    # A sharded checkpoint, to resume training: every rank writes its own shards, in parallel.
+    # A sharded checkpoint of the model: every rank writes its own shards, in parallel (to resume training, save the
+    # optimizer's state beside it: get_state_dict(model, optimizer), as stage 08 does).
     dcp.save(get_model_state_dict(model), checkpoint_id=args.out / "checkpoint")
     if rank == 0:
         torch.save(state, args.out / "model.pt")
