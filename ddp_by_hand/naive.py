@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[{STAGE}] rank {rank}: {hint}", file=sys.stderr)
         raise
     finally:
-        # On success train() has returned and its DDP model is gone: destroying the group while a DDP
+        # On success train() has returned and its model is gone: destroying the group while a DDP
         # model still holds it can hang a gloo process at exit (pytorch/pytorch#75097).
         dist.destroy_process_group()
     exit_without_teardown()  # skips Python's teardown, which a gloo thread can crash (below the line)

@@ -1,6 +1,7 @@
 """Each stage's README shows its train.py as a diff from the stage it extends, so a reader sees what changed
-without running `diff`. test_repo.py checks that every README's block is the diff of today's files;
-`python tests/lesson_diffs.py` writes them anew after a change to a stage.
+without running `diff`; ddp_by_hand's README shows its two scripts so (FILE_DIFFS). test_repo.py and
+test_ddp_by_hand.py check that every such block is the diff of today's files; `python tests/lesson_diffs.py` writes
+them anew after a change.
 """
 from __future__ import annotations
 
@@ -18,13 +19,17 @@ EXTENDS = {"02_dataparallel": "01_single_gpu", "03_ddp_spawn": "02_dataparallel"
            "08_fsdp": "06_checkpoint", "09_tensor_parallel": "08_fsdp", "10_pipeline_parallel": "05_multinode"}
 START, END = "<!-- diff from the stage it extends: written by tests/lesson_diffs.py -->", "<!-- /diff -->"
 BLOCK = re.compile(re.escape(START) + r"\n(.*?)\n" + re.escape(END), re.S)
-
+# Other READMEs' diffs of two files, each block after the line `<!-- diff OLD NEW -->`: {README: [(OLD, NEW), ...]}
+FILE_DIFFS = {"ddp_by_hand/README.md": [("04_ddp_torchrun/train.py", "ddp_by_hand/naive.py"),
+                                        ("ddp_by_hand/naive.py", "ddp_by_hand/bucketed.py")]}
 
 BOUNDARY = "# ═══ The lesson ends here"
 
 
 def lesson(stage: str) -> str:
-    return (ROOT / stage / "train.py").read_text().split(BOUNDARY)[0].rstrip() + "\n"
+    """The lesson of a stage's train.py ("08_fsdp") or of another script ("ddp_by_hand/naive.py")."""
+    path = ROOT / stage if stage.endswith(".py") else ROOT / stage / "train.py"
+    return path.read_text().split(BOUNDARY)[0].rstrip() + "\n"
 
 
 def own_checks(stage: str) -> list[str]:
@@ -48,6 +53,30 @@ def diff(stage: str) -> str:
             f"here`{below}.\n\n```diff\n" + "\n".join(lines) + "\n```")
 
 
+def file_diff(old: str, new: str) -> str:
+    """The lessons of two scripts as a diff, one line of context."""
+    return "\n".join(difflib.unified_diff(lesson(old).splitlines(), lesson(new).splitlines(), old, new, n=1,
+                                         lineterm=""))
+
+
+def file_diff_block(readme: str, old: str, new: str) -> re.Match | None:
+    """The diff of `old` and `new` that `readme` shows (its text: group 1), None if it shows none."""
+    return re.search(re.escape(f"<!-- diff {old} {new} -->") + r"\n```diff\n(.*?)\n```", (ROOT / readme).read_text(),
+                     re.S)
+
+
+def write_file_diffs(readme: str) -> bool:
+    """Put today's FILE_DIFFS in `readme`, where its markers are; True if it changed."""
+    path = ROOT / readme
+    text = new = path.read_text()
+    for old, name in FILE_DIFFS[readme]:
+        block = f"<!-- diff {old} {name} -->\n```diff\n{file_diff(old, name)}\n```"
+        new = re.sub(re.escape(f"<!-- diff {old} {name} -->") + r"\n```diff\n.*?```", lambda _, b=block: b, new,
+                     flags=re.S)
+    path.write_text(new)
+    return new != text
+
+
 def write(stage: str) -> bool:
     """Put today's diff in the stage's README (after its first paragraph the first time); True if it changed."""
     readme = ROOT / stage / "README.md"
@@ -63,5 +92,6 @@ def write(stage: str) -> bool:
 
 if __name__ == "__main__":
     changed = [stage for stage in EXTENDS if write(stage)]
+    changed += [readme for readme in FILE_DIFFS if write_file_diffs(readme)]
     print(f"rewrote the diff in {', '.join(changed) or 'no README'}")
     sys.exit(0)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import difflib
 import gzip
 import importlib.util
 import json
@@ -39,9 +38,9 @@ import torch.nn.functional as F
 
 from conftest import readme_run
 from harness import ROOT, TORCHRUN, check, gradient_bytes, group_of_one, launch_commands, replay_error, tolerance
+from lesson_diffs import BOUNDARY, FILE_DIFFS, file_diff, file_diff_block
 
 HERE = ROOT / "ddp_by_hand"
-BOUNDARY = "# ═══ The lesson ends here"
 COMMON = "--batch-size 32 --dtype float64 --epochs 5"
 NAIVE = f"torchrun --standalone --nproc_per_node=2 ddp_by_hand/naive.py {COMMON} --out runs/hand_naive"
 BUCKETED = f"torchrun --standalone --nproc_per_node=2 ddp_by_hand/bucketed.py {COMMON} --out runs/hand_bucketed"
@@ -389,36 +388,11 @@ def test_the_quick_profiling_run_measures_overlap_and_its_control(readme_runs):
 
 # --- the files themselves -------------------------------------------------------------------------------------------
 
-def lesson(path: Path) -> str:
-    return path.read_text().split(BOUNDARY)[0].rstrip() + "\n"
-
-
-def lesson_diff(old: str, new: str) -> str:
-    lines = difflib.unified_diff(lesson(ROOT / old).splitlines(), lesson(ROOT / new).splitlines(), old, new, n=1,
-                                 lineterm="")
-    return "\n".join(lines)
-
-
-DIFFS = [("04_ddp_torchrun/train.py", "ddp_by_hand/naive.py"), ("ddp_by_hand/naive.py", "ddp_by_hand/bucketed.py")]
-
-
-def write_readme_diffs() -> None:
-    """python tests/test_ddp_by_hand.py: put today's diffs in ddp_by_hand/README.md (after changing a script)."""
-    readme = HERE / "README.md"
-    text = readme.read_text()
-    for old, new in DIFFS:
-        marker = f"<!-- diff {old} {new} -->"
-        block = f"{marker}\n```diff\n{lesson_diff(old, new)}\n```"
-        text = re.sub(re.escape(marker) + r"\n```diff\n.*?```", lambda _, block=block: block, text, flags=re.S)
-    readme.write_text(text)
-
-
 def test_the_readme_shows_todays_diffs():
-    text = (HERE / "README.md").read_text()
-    for old, new in DIFFS:
-        shown = re.search(re.escape(f"<!-- diff {old} {new} -->") + r"\n```diff\n(.*?)\n```", text, re.S)
+    for old, new in FILE_DIFFS["ddp_by_hand/README.md"]:
+        shown = file_diff_block("ddp_by_hand/README.md", old, new)
         assert shown, f"ddp_by_hand/README.md lost its diff of {old} and {new}"
-        assert shown.group(1) == lesson_diff(old, new), "an old diff: run python tests/test_ddp_by_hand.py"
+        assert shown.group(1) == file_diff(old, new), "an old diff: run python tests/lesson_diffs.py"
 
 
 @pytest.mark.parametrize("script", ["naive.py", "bucketed.py"])
@@ -428,6 +402,3 @@ def test_the_machinery_below_the_lesson_is_stage_04s(script):
         return "\n".join(line for line in below.splitlines() if not line.startswith(("import ", "from ")))
     assert machinery(HERE / script) == machinery(ROOT / "04_ddp_torchrun" / "train.py")
 
-
-if __name__ == "__main__":
-    write_readme_diffs()
