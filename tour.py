@@ -484,8 +484,7 @@ def state_gap(params: list, optimizer, state: dict) -> float:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    sys.path.insert(0, str(ROOT / "collectives"))  # cli.py: one-line errors, shared with the tools
-    from cli import ArgumentParser, positive
+    from tools.cli import ArgumentParser, positive  # one-line errors, shared with the tools (tools/ is beside tour.py)
 
     p = ArgumentParser(prog="tour.py", description="Run every stage and check that each computes stage 01's training.")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")

@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "collectives"))  # cli.py, shared with collectives/
-from cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
+from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive  # noqa: E402
 
 COLUMNS = ["experiment", "model", "params", "mode", "world_size", "per_rank_batch", "global_batch", "bucket_cap_mb",
            "accumulate", "no_sync", "steps", "step_ms", "samples_per_s", "efficiency"]

@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "collectives"))  # cli.py, shared with collectives/
-from cli import ArgumentParser, positive  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
+from tools.cli import ArgumentParser, positive  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = ["stage", "launcher", "processes", "gpus", "per_process_batch", "global_batch", "epochs", "samples_per_s",

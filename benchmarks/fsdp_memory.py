@@ -61,8 +61,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "collectives"))  # cli.py, shared with collectives/
-from cli import ArgumentParser, exit_worker, list_of, positive  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
+from tools.cli import ArgumentParser, exit_worker, list_of, positive  # noqa: E402
 
 MODES = ("ddp", "fsdp", "fsdp_no_reshard")
 COLUMNS = ["mode", "world_size", "rank", "params", "blocks", "width", "batch", "steps", "param_bytes", "unit_bytes",

@@ -32,10 +32,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "collectives"))  # cli.py, shared with collectives/
-from cli import ArgumentParser, positive  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
+from tools.cli import ArgumentParser, positive  # noqa: E402
 from tour import TORCHRUN, run_job  # noqa: E402
 
 CORPUS = ROOT / "11_gpt" / "data" / "input.txt"

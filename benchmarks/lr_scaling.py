@@ -23,10 +23,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "collectives"))  # cli.py, shared with collectives/
-sys.path.insert(0, str(HERE.parent))  # tour.py: the stages' loader
-from cli import ArgumentParser, list_of, positive  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
+from tools.cli import ArgumentParser, list_of, positive  # noqa: E402
 from tour import load_stage  # noqa: E402
 
 COLUMNS = ["epochs", "world_size", "batch_per_rank", "global_batch", "lr_rule", "lr", "seed", "steps", "train_loss",

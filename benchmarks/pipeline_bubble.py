@@ -32,8 +32,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "collectives"))  # cli.py, shared with collectives/
-from cli import ArgumentParser, exit_worker, list_of, positive  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
+from tools.cli import ArgumentParser, exit_worker, list_of, positive  # noqa: E402
 
 
 def by_hand():

@@ -42,10 +42,8 @@ import torch
 import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "collectives"))  # cli.py, shared with collectives/
-sys.path.insert(0, str(HERE.parent))  # tour.py: the stages' loader, the replay, the launcher
-from cli import ArgumentParser, positive  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
+from tools.cli import ArgumentParser, positive  # noqa: E402
 from tour import Step, load_stage, max_gap, replay_error, run_job, tolerance  # noqa: E402
 
 W = 2  # simulated ranks: for 2, sum(g_r / W) is bit for bit what DDP's reducer computes

@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from allreduce import ps_all_reduce, ring_all_reduce, ring_all_reduce_simple
-from cli import ArgumentParser, exit_worker, free_port, gloo_group, positive
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
+from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, positive  # noqa: E402
 
 ALGORITHMS = {
     "ring_simple": ring_all_reduce_simple,

@@ -16,11 +16,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # tour.py: the replay, the tolerance
-sys.path.insert(0, str(ROOT / "collectives"))  # cli.py: one-line errors, shared with the tools
-from cli import ArgumentParser  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
 import tour  # noqa: E402
+from tools.cli import ArgumentParser  # noqa: E402
 
 
 def load(run: Path) -> tuple[dict, dict, list[dict]]:

@@ -50,10 +50,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "collectives"))  # cli.py, shared with collectives/ and benchmarks/
 sys.path.insert(0, str(HERE))  # bucketed.py: the hand-built DDP
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
 import bucketed  # noqa: E402
-from cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive  # noqa: E402
+
+from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive  # noqa: E402
 
 COLUMNS = ["name", "impl", "bucket_mb", "first_bucket_mb", "buckets", "bucket_bytes", "ddp_bucket_bytes", "ranks",
            "steps", "step_ms", "backward_ms", "comm_ms", "hidden_ms", "exposed_ms", "overlap", "first_allreduce_ms",

@@ -29,10 +29,11 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "collectives"))  # cli.py, shared with collectives/ and benchmarks/
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
 import bucketed  # noqa: E402
-from cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive  # noqa: E402
+
+from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive  # noqa: E402
 
 WAYS = ("hand", "hand + 1/W first", "hand + 1/W first + DDP's first-step order")
 

@@ -223,7 +223,7 @@ def main() -> None:
         sys.exit("usage: sync_sends.py SCRIPT [ARGS...]")
     script = Path(sys.argv[1]).resolve()
     sys.argv = [str(script), *sys.argv[2:]]
-    sys.path[0] = str(script.parent)  # as `python SCRIPT` would: its folder first (collectives/check.py imports cli)
+    sys.path[0] = str(script.parent)  # as `python SCRIPT` would: its folder first (check.py imports allreduce.py)
     install()
     _report_at_exit()
     runpy.run_path(str(script), run_name="__main__")

@@ -87,7 +87,8 @@ MUTATIONS = [
 
 def test_the_check_catches_a_broken_ring_and_a_broken_ps(tmp_path):
     copy = tmp_path / "collectives"
-    shutil.copytree(ROOT / "collectives", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("collectives", "tools"):  # check.py imports tools/ from its folder's parent
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
     source = (copy / "allreduce.py").read_text()
     for old, new in MUTATIONS:
         assert source.count(old) == 1, f"allreduce.py changed: expected one {old!r}"

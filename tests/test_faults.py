@@ -916,7 +916,7 @@ def test_in_process_tool_check_sees_a_missing_check(tmp_path):
     assert main_until_checked("ddp_by_hand/overlap", ("--warmup", "1"))[0] == 2
     text = path_of("ddp_by_hand/overlap").read_text()
     assert text.count("if args.warmup < 2:") == 1
-    # The edited text run as the file itself (its name and folder: it imports bucketed.py and cli.py from beside it).
+    # The edited text run as the file itself (its name and folder: it imports bucketed.py from beside it).
     broken = ModuleType("overlap_without_its_warmup_check")
     broken.__file__ = str(path_of("ddp_by_hand/overlap"))
     with mock.patch.dict(sys.modules, {broken.__name__: broken}):  # where its dataclasses look their module up

@@ -133,7 +133,7 @@ PUBLIC_UNDERSCORED = {"_exit",  # os._exit
 # Every script a reader runs: the stages, the recipes, and the tools beside them.
 PRIVATE_SCANNED = [*STAGES, *RECIPES, *sorted(str(p.relative_to(ROOT).with_suffix("")) for p in [
     ROOT / "10_pipeline_parallel" / "by_hand.py", *ROOT.glob("ddp_by_hand/*.py"), *ROOT.glob("benchmarks/*.py"),
-    *ROOT.glob("collectives/*.py")])]
+    *ROOT.glob("collectives/*.py"), *ROOT.glob("tools/*.py")])]
 
 
 def private_names(source: str) -> set[str]:

@@ -1,6 +1,8 @@
-"""Pieces shared by the scripts in collectives/ and benchmarks/ (not by the stages, which stay
-self-contained): one-line errors with exit status 2, positive numbers, comma-separated lists, a free port, an output
-directory checked before any measuring starts, and the gloo group each worker runs in."""
+"""Pieces shared by the tools: tour.py, benchmarks/, collectives/, ddp_by_hand/'s scripts (not by the stages, which
+stay self-contained). A tool in a folder puts the repository root on sys.path first (Python adds only the script's own
+folder), then imports `from tools.cli import ...`. Here: one-line errors with exit status 2, positive numbers,
+comma-separated lists, a free port, an output directory checked before any measuring starts, and the gloo group each
+worker runs in."""
 from __future__ import annotations
 
 import argparse
