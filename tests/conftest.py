@@ -71,9 +71,14 @@ LAST = ("test_notebooks.py", "test_readme_commands.py")
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--sweep", choices=("covering", "full"), default="covering",
                      help="tests/test_settings.py: the covering table (CI) or the full grid (1,030 launches, 2-3 h)")
+    parser.addoption("--cpu-profile", action="store_true",
+                     help="print the CPU-seconds of every test module and of the background (tests/cpu_profile.py)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--cpu-profile"):
+        import cpu_profile
+        cpu_profile.start(config)
     config.addinivalue_line("markers", "readme_run(*commands): the test reads the runs of these README commands "
                                        "(conftest.readme_run) instead of launching the same again")
 
@@ -130,7 +135,8 @@ def background(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     build = any(item.path.name == "test_containers.py" for item in items) and engine_missing() is None
     engine = engine_env(tmp_path_factory.mktemp("engine")) if build else {}
     # The tour and the README commands one after the other (each keeps the 2 cores busy alone); the build beside.
-    with ThreadPoolExecutor(max_workers=1) as pool, ThreadPoolExecutor(max_workers=1) as builder:
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="background") as pool, \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-build") as builder:
         try:
             yield Background(tour=pool.submit(run_tour, tour_copy) if tour_copy else None,
                              readmes=pool.submit(run_docs, blocks, readme_tmp) if blocks else None,

@@ -31,6 +31,7 @@ import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -155,7 +156,8 @@ CI_SCRIPTS = ("01_single_gpu", "03_ddp_spawn", "04_ddp_torchrun", "06_checkpoint
 
 def covering(scripts: tuple[str, ...] = CI_SCRIPTS) -> list[Setting]:
     """Each script once, at the combination (among those its layout allows) that covers the most pairs of factor
-    values not covered yet: a greedy pairwise cover, the same on every run (no randomness)."""
+    values not covered yet: a greedy pairwise cover, the same on every run (the scores are exact fractions: a float
+    sum over a set would depend on the set's order, which changes with Python's hash seed, and so would the table)."""
     uncovered = {pair for combo in grid() for pair in pairs(combo)}
     used: dict = {}  # how often each value was taken: once every pair is covered, the least used come next
     rows = []
@@ -166,7 +168,7 @@ def covering(scripts: tuple[str, ...] = CI_SCRIPTS) -> list[Setting]:
 
         def score(c: dict, uncovered=frozenset(uncovered)) -> tuple[float, int, int]:  # the scarcest pairs first,
             new = pairs(c) & uncovered  # then W = 3 (the case the tour never meets, and cheaper than 4), then the
-            return (sum(1 / chances(pair) for pair in new), -PREFERRED.index(c["world"]),  # values used least
+            return (sum(Fraction(1, chances(pair)) for pair in new), -PREFERRED.index(c["world"]),  # least used
                     -sum(used.get(v, 0) for v in c.items()))
         options = [c for c in grid() if allowed(script, c["world"])]
         best = max(options, key=score)
@@ -257,6 +259,20 @@ def outcomes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         return dict(zip([s.id for s in chosen], pool.map(one, chosen), strict=True))
 
 
+# float32's epoch replay is within sqrt(eps) only while no ReLU unit flips within the epoch: a flip is a jump
+# (benchmarks/README.md, "A ReLU flip is a jump"), and rounding flips none in an epoch at lr 0.01 and 0.05 (one
+# epoch's rounding <= 1.6e-6 over 60 epochs, benchmarks/rounding.csv). At lr 0.1 one does: stage 10 at W = 4 (dp 2 x
+# pp 2), batch 48 per pipeline, seed 3, float32, replays its second epoch 1.2e-2 away (any micro-batch count but 1),
+# where float64 at the same setting replays to 4.4e-16 (measured 2026-11-25). Such rows must run and learn; float64
+# rows carry the proof.
+REPLAYED_FLOAT32_LR = 0.05
+
+
+def assert_learns(run: Run) -> None:
+    accuracy = re.search(r"held-out[^\n]*?accuracy (\d+\.\d+)%", run.stdout)
+    assert accuracy and float(accuracy.group(1)) > 80, f"it should learn:\n{run.stdout[-2000:]}"
+
+
 PADDING = re.compile(r"note: (\d+) samples do not split evenly over (\d+) ranks: DistributedSampler repeats the "
                      r"first (\d+) of each epoch's order")
 
@@ -279,8 +295,7 @@ def test_setting(setting: Setting, outcomes: dict[str, Outcome]) -> None:
         assert not said and "do not split evenly" not in run.stdout, run.stdout[:3000]
     if setting.expect == "own":
         assert setting.says in before_training, f"the run should say '{setting.says}' before training"
-        accuracy = re.search(r"held-out[^\n]*?accuracy (\d+\.\d+)%", run.stdout)
-        assert accuracy and float(accuracy.group(1)) > 80, f"it should learn:\n{run.stdout[-2000:]}"
+        assert_learns(run)
         return
     s = run.summary
     padded = N_TRAIN + (dp - N_TRAIN % dp if N_TRAIN % dp else 0)
@@ -294,6 +309,9 @@ def test_setting(setting: Setting, outcomes: dict[str, Outcome]) -> None:
     end = EPOCHS + 1 if setting.resume_from else EPOCHS
     assert [t["epoch"] for t in trajectory] == list(range(start, end + 1)), \
         "one state at the start (or at the resumed epoch) and after every epoch"
+    if s["dtype"] == "float32" and s["lr"] > REPLAYED_FLOAT32_LR:
+        assert_learns(run)
+        return
     replay = replay_error(s, trajectory)
     assert replay <= tolerance(s["dtype"]), \
         f"epoch replay {replay:.2e} > {tolerance(s['dtype']):.1e} ({s['dtype']}): not stage 01's training"
