@@ -183,8 +183,13 @@ class Run:
 
     def describe(self) -> str:
         status = "killed at the time limit" if self.returncode is None else f"exit {self.returncode}"
+        # A crashed process's Python stack (PYTHONFAULTHANDLER, clean_env) comes first in stderr, before the
+        # other ranks' errors and the launcher's report: keep it even where the tail alone would cut it off.
+        crash = self.stderr.find("Fatal Python error")
+        cut_off = 0 <= crash < len(self.stderr) - 4000
+        crashed = f"--- the crash ---\n{self.stderr[crash:crash + 3000]}\n" if cut_off else ""
         return (f"$ {' '.join(self.cmd)}\n{status} after {self.seconds:.1f}s\n"
-                f"--- stdout ---\n{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-4000:]}")
+                f"--- stdout ---\n{self.stdout[-4000:]}\n{crashed}--- stderr ---\n{self.stderr[-4000:]}")
 
 
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -59,10 +59,14 @@ def file_diff(old: str, new: str) -> str:
                                          lineterm=""))
 
 
+def _file_diff_pattern(old: str, new: str) -> re.Pattern:
+    """The marker line, then the ```diff block after it (its text: group 1)."""
+    return re.compile(re.escape(f"<!-- diff {old} {new} -->") + r"\n```diff\n(.*?)\n```", re.S)
+
+
 def file_diff_block(readme: str, old: str, new: str) -> re.Match | None:
     """The diff of `old` and `new` that `readme` shows (its text: group 1), None if it shows none."""
-    return re.search(re.escape(f"<!-- diff {old} {new} -->") + r"\n```diff\n(.*?)\n```", (ROOT / readme).read_text(),
-                     re.S)
+    return _file_diff_pattern(old, new).search((ROOT / readme).read_text())
 
 
 def write_file_diffs(readme: str) -> bool:
@@ -71,8 +75,7 @@ def write_file_diffs(readme: str) -> bool:
     text = new = path.read_text()
     for old, name in FILE_DIFFS[readme]:
         block = f"<!-- diff {old} {name} -->\n```diff\n{file_diff(old, name)}\n```"
-        new = re.sub(re.escape(f"<!-- diff {old} {name} -->") + r"\n```diff\n.*?```", lambda _, b=block: b, new,
-                     flags=re.S)
+        new = _file_diff_pattern(old, name).sub(lambda _, b=block: b, new)
     path.write_text(new)
     return new != text
 

@@ -23,6 +23,7 @@ import shlex
 import shutil
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,5 +214,6 @@ def run_docs(blocks: list[Block], tmp: Path) -> dict[str, Run | BaseException]:
         return done
 
     order = sorted(docs, key=lambda doc: LONGEST.index(doc) if doc in LONGEST else len(LONGEST))
-    with ThreadPoolExecutor(max_workers=AT_ONCE) as pool:
+    # Named after the calling thread (conftest's "background"), so that `pytest --cpu-profile` knows whose they are.
+    with ThreadPoolExecutor(max_workers=AT_ONCE, thread_name_prefix=threading.current_thread().name) as pool:
         return {k: v for done in pool.map(one_doc, [docs[d] for d in order]) for k, v in done.items()}

@@ -1089,3 +1089,14 @@ def test_a_torch_older_than_the_script_needs_is_refused_in_one_line(script, vers
         return
     assert code == 2 and "\n" not in err, err
     assert err.startswith(f"{path.relative_to(ROOT)}: error: ") and version in err and f"{needs} or newer" in err, err
+
+
+def test_a_crashed_worker_shows_where_it_crashed_among_the_others_errors():
+    """A worker killed by a crash inside torch (SIGSEGV) prints its Python stack first (PYTHONFAULTHANDLER); the other
+    ranks' errors and the launcher's report follow and can fill the tail a failure shows: Run.describe keeps it."""
+    crash = "import ctypes\ndef where_it_crashed():\n    ctypes.string_at(0)\nwhere_it_crashed()"
+    others = "import sys; sys.stderr.write('another rank: connection reset by peer\\n' * 200)"
+    run = launch_commands([["bash", "-c", f'"$0" -c "$1"; "$0" -c "$2"', sys.executable, crash, others]], timeout=60)
+    assert run.returncode == 0 and run.stderr.index("Fatal Python error") < 100, run.describe()
+    assert len(run.stderr) > 4000 and "where_it_crashed" not in run.stderr[-4000:]  # the tail alone would lose it
+    assert "--- the crash ---" in run.describe() and "in where_it_crashed" in run.describe(), run.describe()
