@@ -9,6 +9,7 @@ exit 0 without numbers.
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import sys
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import readme_run
-from harness import ROOT, Run, check, launch_commands
+from harness import ROOT, Run, check, launch_commands, load_copy, load_stage
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -280,3 +281,29 @@ def test_fsdp_memory_prints_progress_and_a_table(fsdp_memory_run):
     assert lines == [(m, str(w)) for m in FSDP_MODES for w in FSDP_WORLDS], table
     assert "wrote " in out
 
+
+
+# --- benchmarks/vs_nanogpt.py -------------------------------------------------------------------
+
+NANOGPT = ROOT.parent / "nanoGPT"  # the script's default: a checkout beside the repository (never downloaded)
+
+
+def test_nanogpt_trains_and_is_scored_on_11s_split(tmp_path):
+    """The data made for nanoGPT is 11_gpt's corpus: the same ids, the first 90% to train on, the rest held out."""
+    import numpy as np
+    vs, gpt = load_copy(ROOT / "benchmarks" / "vs_nanogpt.py"), load_stage("11_gpt")
+    corpus = gpt.load_corpus(gpt.DATA)
+    vs.prepare_nanogpt_data(gpt.DATA.read_text(encoding="utf-8"), tmp_path)
+    train, held = (np.fromfile(tmp_path / f"{name}.bin", dtype=np.uint16) for name in ("train", "val"))
+    assert train.tolist() == corpus.train.tolist() and held.tolist() == corpus.held_out.tolist()
+
+
+@pytest.mark.skipif(not (NANOGPT / "train.py").is_file(),
+                    reason=f"no nanoGPT checkout at {NANOGPT}: nothing downloads it (benchmarks/README.md)")
+def test_vs_nanogpt_quick_run_scores_both_models(tmp_path):
+    """20 steps each: the table, and the one scoring function gives 11_gpt's model the loss 11_gpt printed."""
+    run = check(run_script("benchmarks/vs_nanogpt.py", "--quick", out=tmp_path, timeout=600))
+    rows = {r["run"]: r for r in json.loads((tmp_path / "vs_nanogpt.json").read_text())["rows"]}
+    assert set(rows) == {"nanoGPT", "11_gpt"} and "held-out loss" in run.stdout, run.describe()
+    assert abs(rows["11_gpt"]["held_out_loss"] - rows["11_gpt"]["own_estimate"]) < 1e-4, rows
+    assert rows["nanoGPT"]["context"] == 64 and rows["nanoGPT"]["tokens"] == 20 * 12 * 64, rows

@@ -556,6 +556,9 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
                             ("--seed", "x"): "--seed", ("--check-epochs", "0"): "--check-epochs",
                             ("--no-check=1",): "--no-check", ("--timeout", "0"): "--timeout",
                             ("--out", "{file}/sub"): "--out"},
+    # Its --nanogpt is checked last: the other cases need no nanoGPT checkout (CI has none).
+    "benchmarks/vs_nanogpt": {("--nanogpt", "{tmp}"): "--nanogpt", ("--quick=1",): "--quick",
+                              ("--out", "{file}/sub"): "--out", ("--timeout", "0"): "--timeout"},
 }
 # Flags a user never gives, each with why: no bad-value case.
 INTERNAL_FLAGS = {("benchmarks/fsdp_memory", "--worker"): "set by its own launcher for each rank; hidden from --help"}
@@ -1096,7 +1099,7 @@ def test_a_crashed_worker_shows_where_it_crashed_among_the_others_errors():
     ranks' errors and the launcher's report follow and can fill the tail a failure shows: Run.describe keeps it."""
     crash = "import ctypes\ndef where_it_crashed():\n    ctypes.string_at(0)\nwhere_it_crashed()"
     others = "import sys; sys.stderr.write('another rank: connection reset by peer\\n' * 200)"
-    run = launch_commands([["bash", "-c", f'"$0" -c "$1"; "$0" -c "$2"', sys.executable, crash, others]], timeout=60)
+    run = launch_commands([["bash", "-c", '"$0" -c "$1"; "$0" -c "$2"', sys.executable, crash, others]], timeout=60)
     assert run.returncode == 0 and run.stderr.index("Fatal Python error") < 100, run.describe()
     assert len(run.stderr) > 4000 and "where_it_crashed" not in run.stderr[-4000:]  # the tail alone would lose it
     assert "--- the crash ---" in run.describe() and "in where_it_crashed" in run.describe(), run.describe()
