@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
 from tools.cli import ArgumentParser, positive  # noqa: E402
-from tour import TORCHRUN, run_job  # noqa: E402
+from tour import TORCHRUN, load_stage, run_job  # noqa: E402
 
 TEXT = ROOT / "11_gpt" / "data" / "input.txt"
 # nanoGPT's README, "I only have a macbook": its CPU command, as given there.
@@ -87,14 +87,11 @@ def nanogpt_model(checkout: Path, out: Path):
     return model, checkpoint["model_args"]["block_size"], sum(p.numel() for p in model.parameters())
 
 
-def our_model(out: Path):
+def our_model(stage, out: Path):
     """11_gpt's final model from its --out (model.pt), built with its own GPT class; (model, context, parameters)."""
     import torch
-    spec = importlib.util.spec_from_file_location("gpt_stage", ROOT / "11_gpt" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     summary = json.loads((out / "summary.json").read_text())
-    model = module.GPT(module.Config(**summary["model"]))
+    model = stage.GPT(stage.Config(**summary["model"]))
     model.load_state_dict(torch.load(out / "model.pt", map_location="cpu", weights_only=True))
     model.eval()
     return model, summary["model"]["context"], summary["parameters"]
@@ -141,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     theirs_seconds, theirs_log = run("nanoGPT", theirs_cmd, work, work / "out", args.timeout)
     ours_seconds, _ = run("11_gpt", ours_cmd, ROOT, args.out / "11_gpt", args.timeout)
 
-    index = {c: i for i, c in enumerate(sorted(set(text)))}
-    held_out = torch.tensor([index[c] for c in text[int(len(text) * 0.9):]], dtype=torch.long)
+    stage = load_stage("11_gpt")
+    held_out = stage.load_corpus(TEXT).held_out  # what nanoGPT's val.bin holds too (tests/test_benchmarks.py)
     ours = json.loads((args.out / "11_gpt" / "summary.json").read_text())
     estimates = re.findall(r"val loss ([0-9.]+)", theirs_log)
     rows = []
@@ -150,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             ("nanoGPT", nanogpt_model(args.nanogpt, work / "out"), theirs_seconds,
              int(re.findall(r"--max_iters=(\d+)", " ".join(theirs_cmd))[-1]) * 12 * 64,  # steps x batch x block
              float(estimates[-1]) if estimates else None),
-            ("11_gpt", our_model(args.out / "11_gpt"), ours_seconds,
+            ("11_gpt", our_model(stage, args.out / "11_gpt"), ours_seconds,
              ours["steps"] * ours["global_batch"] * ours["model"]["context"], ours["eval_loss"])]:
         # nanoGPT's forward gives every position's logits only when given targets (else the last position's)
         logits_of = (lambda x, m=model: m(x, x.contiguous())[0]) if name == "nanoGPT" else model
