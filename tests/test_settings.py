@@ -166,7 +166,7 @@ def covering(scripts: tuple[str, ...] = CI_SCRIPTS) -> list[Setting]:
             world = dict(pair).get("world")
             return sum(world is None or allowed(script, world) for script in later)
 
-        def score(c: dict, uncovered=frozenset(uncovered)) -> tuple[float, int, int]:  # the scarcest pairs first,
+        def score(c: dict, uncovered=frozenset(uncovered)) -> tuple[Fraction, int, int]:  # the scarcest pairs first,
             new = pairs(c) & uncovered  # then W = 3 (the case the tour never meets, and cheaper than 4), then the
             return (sum(Fraction(1, chances(pair)) for pair in new), -PREFERRED.index(c["world"]),  # least used
                     -sum(used.get(v, 0) for v in c.items()))
