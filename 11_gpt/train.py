@@ -4,8 +4,10 @@ Every stage so far trained a 4,996-parameter MLP on synthetic data. This one tra
 written out below (embeddings, causal self-attention, MLP, pre-norm blocks), on 1.1 MB of Shakespeare, one
 character per token, with what the stages taught, each a flag: DDP or FSDP2 (--parallel), tensor parallelism
 (--tp), gradient accumulation (--accumulate), bf16 autocast (--amp), torch.compile (--compile), and sharded
-checkpoints that resume exactly on any number of ranks (--snapshot). It reports how fast (tokens/s), how much
-memory, and how well: the held-out loss beside three baselines computed from the text, and a sample of text.
+checkpoints that resume exactly on any number of ranks (--snapshot). It is trained as real trainers train:
+AdamW with weight decay on the matrices only, the learning rate warmed up then decayed along a cosine, the gradient
+clipped (its norm taken over the whole model, however it is split). It reports how fast (tokens/s, and the MFU),
+how much memory, and how well: the held-out loss beside three baselines computed from the text, and a sample.
 
     python 11_gpt/train.py --max-steps 100                       # one process, 100 steps
     torchrun --standalone --nproc_per_node=2 11_gpt/train.py     # the default run: about 2 minutes on 2 CPU cores
@@ -105,7 +107,7 @@ def batch_of_windows(tokens: torch.Tensor, context: int, rows: int, seed: int, s
 
 class Config(NamedTuple):
     vocab: int  # characters in the vocabulary (65 in tiny Shakespeare)
-    context: int = 128  # the longest sequence the model reads: its positions
+    context: int = 64  # the longest sequence the model reads: its positions
     layers: int = 4  # transformer blocks
     heads: int = 4  # attention heads per block
     width: int = 128  # the residual stream's size; each head gets width // heads of it
@@ -178,9 +180,48 @@ def load_train_objs(args: argparse.Namespace, corpus: Corpus, device: torch.devi
     cfg = Config(len(corpus.chars), args.context, args.layers, args.heads, args.width)
     torch.manual_seed(args.seed)  # every rank draws the same initial weights (in float32, then cast)
     model = parallelize(GPT(cfg).to(device, DTYPES[args.dtype]), mesh, args)
-    # AdamW, as transformers are trained; created after parallelize, so that it holds this rank's pieces.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1)
+    # AdamW, as transformers are trained; created after parallelize, so that it holds this rank's pieces. Weight
+    # decay pulls the matrices towards zero; not the biases and norms (a scale and a shift, nothing to regularise),
+    # nor the embeddings (a character's row only learns when it appears: decay would erase the rare ones).
+    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    decay = [p for p in model.parameters() if p.dim() == 2 and id(p) not in embeddings]
+    rest = [p for p in model.parameters() if p.dim() < 2 or id(p) in embeddings]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                  lr=args.lr, betas=(0.9, 0.99))
     return cfg, model, optimizer
+
+
+def learning_rate(step: int, args: argparse.Namespace) -> float:
+    """The rate of step `step` (from 0): up linearly for --warmup-steps (AdamW's first steps divide by moments
+    estimated from a handful of gradients: full-size steps then can throw the weights off), then down along half a
+    cosine to a tenth of --lr at --decay-steps (large steps while far from a minimum, small ones to settle into it),
+    and a tenth after. A function of the step alone: a resumed run needs no scheduler state to carry on exactly."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    done = min(1.0, (step - args.warmup_steps) / max(1, args.decay_steps - args.warmup_steps))
+    return args.lr / 10 + (args.lr - args.lr / 10) * 0.5 * (1 + math.cos(math.pi * done))
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Scale the gradients down so that their norm, over the whole model, is at most max_norm (0: never); return
+    the norm before. One rare large gradient then cannot undo many steps. The norm is of the whole gradient, as one
+    process would compute it, however it is split: DDP's gradients are whole on every rank (already averaged), but
+    a DTensor's (FSDP2's shards, tp's slices) is this rank's piece, and its norm a collective over the piece's mesh:
+    DTensor sums the pieces' squares there (an all-reduce, inside get_total_norm). The embeddings and norms lie on
+    the dp mesh, tp's layers on dp x tp: one norm per mesh (torch's clip_grad_norm_ refuses a mix), then the total."""
+    by_mesh: dict = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    squares = []
+    for params in by_mesh.values():  # the same meshes in the same order on every rank (the model's order)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)  # (already whole: a copy)
+    total = torch.stack(squares).sum().sqrt()
+    if max_norm > 0:
+        for params in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total.detach()
 
 
 # ─── What the stages taught: who holds and computes what ───────────────────────────────────────────────────────────
@@ -262,6 +303,8 @@ class Trainer:
         self.master_process = dist.get_rank() == 0  # rank 0 alone logs and writes the progress file
         self.global_batch = self.dp * args.accumulate * args.batch_size  # windows per optimizer step
         self.steps, self.losses, self.curve = 0, [], []  # per step; per log line [step, train, held-out, tokens/s]
+        self.grad_norms: list[float] = []  # per step, before clipping (the global batch's gradient: every rank's)
+        self.pending: list[torch.Tensor] = []  # [loss, gradient norm] of each step not yet in the lists above
         self.train_seconds = 0.0  # in this run's training steps (not the evaluations, not the checkpoints)
         self.trajectory: list[dict] = []  # --out: the state at the start, at each checkpoint and at the end
         # A fixed handful of held-out windows, scored every --eval-every steps for the curve (the same on every rank).
@@ -280,6 +323,7 @@ class Trainer:
         dcp.load(state, checkpoint_id=snapshot["path"])
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         self.steps, self.losses, self.curve = snapshot["steps"], list(snapshot["losses"]), list(snapshot["curve"])
+        self.grad_norms = list(snapshot["grad_norms"])
 
     def _save_snapshot(self) -> None:
         # Every rank writes its own pieces (dcp.save), rank 0 the metadata; then an atomic rename, as in stage 08.
@@ -294,6 +338,7 @@ class Trainer:
             raise failed_save(e, tmp, self.args.snapshot) from None
         if self.master_process:
             progress = {"steps": self.steps, "losses": self.losses, "curve": self.curve, "seed": self.args.seed,
+                        "grad_norms": self.grad_norms, "schedule": schedule(self.args),
                         "global_batch": self.global_batch, "dtype": self.args.dtype, "model": self.cfg._asdict(),
                         "world_size": dist.get_world_size()}
             (tmp / PROGRESS).write_text(json.dumps(progress) + "\n")
@@ -324,9 +369,12 @@ class Trainer:
                 # Sync point (the last micro-batch): DDP all-reduces the gradients; FSDP2 reduce-scatters each unit's.
                 (loss / len(micro)).backward()
             total += loss.detach()
+        norm = clip_gradients(self.model, self.args.clip)  # a collective under FSDP2 and tp
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(self.steps, self.args)
         self.optimizer.step()  # on this rank's pieces: no communication
         self.optimizer.zero_grad(set_to_none=True)
-        return total / len(micro)
+        return torch.stack([total / len(micro), norm.to(total.dtype)])  # the step's loss and gradient norm
 
     @torch.no_grad()
     def estimate_held_out(self) -> float:
@@ -343,32 +391,43 @@ class Trainer:
         self.record()
         if self.steps >= max_steps and self.master_process:  # a finished checkpoint: say so, do not look stuck
             print(f"nothing to train: the checkpoint is at step {self.steps} and --max-steps is {max_steps}; "
-                  f"pass --max-steps {self.steps + 100} to train 100 more, or another --snapshot to start afresh")
-        since, seconds, tokens_per_step = [], 0.0, self.global_batch * self.cfg.context
+                  f"pass --max-steps {self.steps + 100} --decay-steps {self.args.decay_steps} to train 100 more at "
+                  f"the schedule's last rate, or another --snapshot to start afresh")
+        since, seconds, tokens_per_step = 0, 0.0, self.global_batch * self.cfg.context
         while self.steps < max_steps:
             start = clock(self.device)  # (a GPU runs ahead of Python: the clock waits for its queued work)
-            since.append(self._run_step())
+            self.pending.append(self._run_step())  # tensors: reading them now would wait for the GPU every step
             self.steps += 1
+            since += 1
             seconds += clock(self.device) - start
-            if self.steps % self.args.eval_every == 0 or self.steps == max_steps:
-                # The mean over the dp rows is the loss of the global batch (the tp ranks of a row hold the same).
-                losses = torch.stack(since)
-                dist.all_reduce(losses, group=self.mesh.get_group("dp"))
-                self.losses += (losses / self.dp).tolist()
-                speed = len(since) * tokens_per_step / seconds
-                self.curve.append([self.steps, sum(self.losses[-len(since):]) / len(since), self.estimate_held_out(),
-                                   speed])
+            log = self.steps % self.args.eval_every == 0 or self.steps == max_steps
+            save = self.args.snapshot is not None and self.steps % self.args.save_every == 0
+            if log or save:  # the checkpoint keeps every step's numbers: settle them first
+                self._settle()
+            if log:
+                speed = since * tokens_per_step / seconds
+                self.curve.append([self.steps, sum(self.losses[-since:]) / since, self.estimate_held_out(), speed])
                 if self.master_process:
                     print(f"step {self.steps:>5}/{max_steps} | train loss {self.curve[-1][1]:.4f} | held-out "
-                          f"{self.curve[-1][2]:.4f} | {speed:,.0f} tokens/s")
+                          f"{self.curve[-1][2]:.4f} | lr {learning_rate(self.steps - 1, self.args):.2e} | grad norm "
+                          f"{self.grad_norms[-1]:.2f} | {speed:,.0f} tokens/s")
                 self.train_seconds += seconds
-                since, seconds = [], 0.0
-            if self.args.snapshot is not None and self.steps % self.args.save_every == 0:
+                since, seconds = 0, 0.0
+            if save:
                 self._save_snapshot()
                 dist.barrier()  # sync point: past it, the checkpoint of this step is complete on every rank
                 self.record()
         if self.trajectory and self.trajectory[-1]["step"] != self.steps:
             self.record()
+
+    def _settle(self) -> None:
+        """The steps' losses and gradient norms since the last call, from tensors to the lists: the loss averaged
+        over the dp rows is the global batch's (the tp ranks of a row hold the same), one all_reduce for all."""
+        losses, norms = torch.stack(self.pending).T.contiguous()  # (a collective needs contiguous memory)
+        dist.all_reduce(losses, group=self.mesh.get_group("dp"))
+        self.losses += (losses / self.dp).tolist()
+        self.grad_norms += norms.tolist()  # the same on every rank: the whole gradient's
+        self.pending = []
 
     def record(self) -> None:
         """--out: keep the whole state (gathered: every rank calls this), for the tests to compare runs step by step."""
@@ -438,11 +497,16 @@ def replica_max_abs_diff(model: nn.Module, group: dist.ProcessGroup) -> float:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # ArgumentParser and positive() are defined below the line: a bad value is one line of error and exit 2.
     p = ArgumentParser(prog=f"{STAGE}/train.py", description=__doc__.splitlines()[0])
-    p.add_argument("--max-steps", type=positive(int), default=600,
+    p.add_argument("--max-steps", type=positive(int), default=800,
                    help="optimizer steps in all (the length of training: a text has no epochs here; a resumed "
                         "run goes on to it)")
     p.add_argument("--batch-size", type=positive(int), default=16, help="windows per micro-batch per dp rank")
-    p.add_argument("--lr", type=positive(float), default=2e-3, help="AdamW's learning rate")
+    p.add_argument("--lr", type=positive(float), default=6e-3, help="AdamW's top learning rate (see --warmup-steps)")
+    p.add_argument("--warmup-steps", type=positive(int),
+                   help="steps of the rate's linear rise to --lr (default: a twentieth of --decay-steps)")
+    p.add_argument("--decay-steps", type=positive(int),
+                   help="the step where the rate's cosine decay reaches --lr / 10 (default: --max-steps)")
+    p.add_argument("--clip", type=float, default=1.0, help="the largest gradient norm a step takes (0: no clipping)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32",
@@ -461,7 +525,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--amp", choices=["bf16"], help="autocast the forward to bfloat16 (the weights stay float32)")
     p.add_argument("--compile", action="store_true", help="torch.compile every block")
     p.add_argument("--data", type=Path, default=DATA, help="a UTF-8 text to learn (default: tiny Shakespeare)")
-    p.add_argument("--context", type=positive(int), default=128, help="characters the model reads at once")
+    p.add_argument("--context", type=positive(int), default=64, help="characters the model reads at once")
     p.add_argument("--layers", type=positive(int), default=4, help="transformer blocks")
     p.add_argument("--heads", type=positive(int), default=4, help="attention heads per block")
     p.add_argument("--width", type=positive(int), default=128, help="size of the residual stream")
@@ -533,6 +597,9 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
               f"{sum(p.numel() for p in model.parameters()):,} parameters | batch {args.batch_size} x "
               f"{args.accumulate} windows per dp rank, {trainer.global_batch} global = "
               f"{trainer.global_batch * cfg.context:,} tokens a step | {args.max_steps} steps")
+        print(f"AdamW: learning rate up to {args.lr:g} in {args.warmup_steps} steps, then a cosine down to "
+              f"{args.lr / 10:g} at step {args.decay_steps} | weight decay 0.1 on the matrices | "
+              + (f"gradient norm clipped to {args.clip:g}" if args.clip else "no clipping"))
         print("baselines, held-out loss in nats per character: " + " | ".join(f"{k} {v:.3f}" for k, v in floor.items()))
         if trainer.steps:
             ranks = snapshot["world_size"]
@@ -546,12 +613,13 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
     # DDP's replicas must agree; FSDP has none to compare (each rank holds other shards): no gather of the model.
     max_diff = replica_max_abs_diff(model, mesh.get_group("dp")) if args.parallel == "ddp" else None
     memory = peak_memory(model, optimizer, device)  # every rank's, gathered (below the line)
+    peak = machine_peak(device, args)  # the FLOP/s the MFU is of: measured on a CPU, every rank at once (below)
     text = sample(model, corpus.chars, args.sample, cfg.context, args.seed, device) if args.sample else ""
     if master_process:
         loss = loss_sum / count
         print(f"held-out loss {loss:.4f} nats/char over {count:,} characters | bigram {floor['bigram']:.3f}, "
               f"unigram {floor['unigram']:.3f}, uniform {floor['uniform']:.3f}")
-        speed = report_speed(trainer, cfg, device, world_size)
+        speed = report_speed(trainer, cfg, device, peak)
         print(f"peak memory per rank ({memory['how']}): " + " | ".join(
             f"rank {r} {m / 2**20:,.0f} MiB" for r, m in enumerate(memory["peak"])) + " | model state per rank "
             "(weights, gradients, AdamW's moments): " + " | ".join(f"{b / 2**20:.2f} MiB" for b in memory["state"]))
@@ -777,6 +845,15 @@ def check_gpt_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Name
                 f"use one of {[d for d in range(1, args.heads + 1) if args.heads % d == 0]}")
     if args.amp and args.dtype == "float64":
         p.error("argument --amp: autocast leaves float64 alone, so nothing would run in bfloat16; use --dtype float32")
+    if args.clip < 0:
+        p.error(f"argument --clip: must be 0 (no clipping) or a positive norm, got {args.clip}")
+    if args.decay_steps is None:
+        args.decay_steps = args.max_steps
+    if args.warmup_steps is None:
+        args.warmup_steps = max(1, args.decay_steps // 20)
+    if args.warmup_steps > args.decay_steps:
+        p.error(f"argument --warmup-steps: {args.warmup_steps} is past --decay-steps {args.decay_steps} (the decay "
+                f"starts when the warm-up ends); use {args.decay_steps} or less")
     if args.sample < 0:
         p.error(f"argument --sample: must be 0 or more characters, got {args.sample}")
     try:
@@ -832,7 +909,8 @@ def load_snapshot(args: argparse.Namespace, dp: int) -> dict | None:
     except Exception as e:  # a file missing or unreadable
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SnapshotError(f"cannot load {path}: {first_line}") from e
-    keys = {"steps", "losses", "curve", "seed", "global_batch", "dtype", "model", "world_size"}
+    keys = {"steps", "losses", "curve", "grad_norms", "seed", "global_batch", "dtype", "model", "world_size",
+            "schedule"}
     if not isinstance(progress, dict) or not keys <= progress.keys():
         raise SnapshotError(f"{path / PROGRESS} is not this stage's (expected the keys {sorted(keys)})")
     cfg = Config(len(set(args.data.read_text(encoding="utf-8"))), args.context, args.layers, args.heads, args.width)
@@ -855,7 +933,17 @@ def load_snapshot(args: argparse.Namespace, dp: int) -> dict | None:
     if made_with != (args.seed, global_batch, args.dtype):
         raise SnapshotError(f"{path} was made with --seed {made_with[0]}, global batch {made_with[1]} and "
                             f"--dtype {made_with[2]}; resume with the same, or use another --snapshot")
+    if progress["schedule"] != schedule(args):  # the rate of every step to come depends on all three
+        made = progress["schedule"]
+        raise SnapshotError(f"{path} was made with --lr {made.get('lr')} --warmup-steps {made.get('warmup_steps')} "
+                            f"--decay-steps {made.get('decay_steps')}; resume with the same (a longer run: a larger "
+                            f"--max-steps, the same --decay-steps), or use another --snapshot")
     return {"path": path, **progress}
+
+
+def schedule(args: argparse.Namespace) -> dict:
+    """What learning_rate() reads besides the step: saved with a checkpoint, checked when resuming."""
+    return {"lr": args.lr, "warmup_steps": args.warmup_steps, "decay_steps": args.decay_steps}
 
 
 def failed_save(error: Exception, tmp: Path, directory: Path) -> OSError:
@@ -912,22 +1000,61 @@ def flops_per_token(cfg: Config) -> int:
     return 6 * matmul_weights + 12 * cfg.layers * cfg.context * cfg.width
 
 
-def report_speed(trainer: Trainer, cfg: Config, device: torch.device, world_size: int) -> dict:
-    """Tokens per second of the training steps (evaluation and checkpoints left out), and on a GPU the model FLOPs
-    utilisation: the FLOPs the model needs per token, times tokens/s, over the peak of the world's GPUs."""
-    steps_here = trainer.steps - trainer.resumed_at
-    tokens_per_s = steps_here * trainer.global_batch * cfg.context / trainer.train_seconds if steps_here else 0.0
-    speed = {"tokens_per_s": tokens_per_s, "flops_per_token": flops_per_token(cfg), "mfu": None}
-    line = f"tokens/s {tokens_per_s:,.0f} over {steps_here} steps ({trainer.train_seconds:.1f}s of training)"
+def machine_peak(device: torch.device, args: argparse.Namespace) -> dict:
+    """The peak the MFU is of, for the world. On a GPU, its data sheet's (PEAK_FLOPS: bf16 with --amp bf16, else
+    float32 without TF32), times the world size. On a CPU there is no data sheet to trust: every rank multiplies
+    512 x 512 matrices at the weights' dtype and its thread count for 0.1 s, all ranks at once, as they shared the
+    cores in training; the world's peak is the FLOPs of all of them over the time the slowest took (so that ranks
+    sharing a core, W above the cores, count the core once), the best of 3 rounds. With --amp bf16 in bfloat16 too,
+    and the faster of the two counts (a CPU without bf16 units multiplies bfloat16 far slower than float32; one
+    with them, faster). Every rank calls this (collectives)."""
+    world_size = dist.get_world_size()
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         peak = next((p for key, p in PEAK_FLOPS.items() if key in name), None)
         if peak is None:
-            line += f" | MFU: the peak of a {name} is not in PEAK_FLOPS"
-        else:
-            peak_flops = peak[0] if trainer.args.amp == "bf16" else peak[1]
-            speed["mfu"] = tokens_per_s * speed["flops_per_token"] / (world_size * peak_flops)
-            line += f" | MFU {speed['mfu']:.1%} of {world_size} x {peak_flops / 1e12:g} TFLOP/s ({name})"
+            return {"flops": None, "how": f"the peak of a {name} is not in PEAK_FLOPS"}
+        flops = peak[0] if args.amp == "bf16" else peak[1]
+        return {"flops": world_size * flops, "how": f"{world_size} x {flops / 1e12:g} TFLOP/s ({name}, data sheet)"}
+    n, measured = 512, {}
+    for dtype in [DTYPES[args.dtype]] + ([torch.bfloat16] if args.amp == "bf16" else []):
+        a, b = (torch.randn(n, n, dtype=dtype) for _ in range(2))
+        a @ b  # once first: the first call allocates and picks its kernel
+        rounds = []
+        for _ in range(3):
+            dist.barrier()  # start together
+            start, count = clock(device), 0
+            while clock(device) - start < 0.1:  # as many as fit
+                a @ b
+                count += 1
+            done = torch.tensor([count * 2 * n ** 3, clock(device) - start], dtype=torch.float64)
+            every = [torch.zeros_like(done) for _ in range(world_size)]
+            dist.all_gather(every, done)  # the world's matmuls are done when the slowest rank's are
+            rounds.append(sum(d[0].item() for d in every) / max(d[1].item() for d in every))
+        measured[str(dtype).removeprefix("torch.")] = max(rounds)
+    fastest = max(measured, key=measured.get)
+    threads = torch.get_num_threads()
+    return {"flops": measured[fastest], "how": f"{world_size} rank{'s' if world_size > 1 else ''} x {threads} "
+                                               f"thread{'s' if threads > 1 else ''}: "
+                                               f"{measured[fastest] / 1e9:.1f} GFLOP/s, a {fastest} matmul measured "
+                                               f"now" + "".join(f" ({k}: {v / 1e9:.1f})" for k, v in measured.items()
+                                                                if k != fastest)}
+
+
+def report_speed(trainer: Trainer, cfg: Config, device: torch.device, peak: dict) -> dict:
+    """Tokens per second of the training steps (evaluation and checkpoints left out), and the model FLOPs
+    utilisation: the FLOPs the model needs per token (flops_per_token), times tokens/s, over the world's peak
+    (machine_peak: a GPU's data sheet, a CPU's measured matmul)."""
+    steps_here = trainer.steps - trainer.resumed_at
+    tokens_per_s = steps_here * trainer.global_batch * cfg.context / trainer.train_seconds if steps_here else 0.0
+    speed = {"tokens_per_s": tokens_per_s, "flops_per_token": flops_per_token(cfg), "mfu": None,
+             "peak_flops": peak["flops"], "peak": peak["how"]}
+    line = f"tokens/s {tokens_per_s:,.0f} over {steps_here} steps ({trainer.train_seconds:.1f}s of training)"
+    if peak["flops"] is None:
+        line += f" | MFU: {peak['how']}"
+    else:
+        speed["mfu"] = tokens_per_s * speed["flops_per_token"] / peak["flops"]
+        line += f" | {speed['flops_per_token'] / 1e6:.2f} MFLOP/token | MFU {speed['mfu']:.1%} of {peak['how']}"
     print(line)
     return speed
 
@@ -941,9 +1068,10 @@ def write_run(args: argparse.Namespace, trainer: Trainer, model: GPT, floor: dic
         "device": trainer.device.type, "dtype": args.dtype, "parallel": args.parallel, "dp": trainer.dp,
         "tp": args.tp, "accumulate": args.accumulate, "amp": args.amp, "compile": args.compile,
         "batch_size": args.batch_size, "global_batch": trainer.global_batch, "max_steps": args.max_steps,
-        "lr": args.lr, "seed": args.seed, "model": model.cfg._asdict(), "parameters": sum(p.numel() for p in
-                                                                                       model.parameters()),
+        **schedule(args), "clip": args.clip, "seed": args.seed, "model": model.cfg._asdict(),
+        "parameters": sum(p.numel() for p in model.parameters()),
         "steps": trainer.steps, "resumed_at": trainer.resumed_at, "losses": trainer.losses,
+        "grad_norms": trainer.grad_norms,
         "curve": trainer.curve, "eval_loss": loss, "eval_count": count, "baselines": floor,
         "replica_max_abs_diff": max_diff, "seconds": seconds, "train_seconds": trainer.train_seconds, **speed,
         "memory": memory, "sample": text,

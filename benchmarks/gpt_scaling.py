@@ -44,7 +44,7 @@ SETTINGS = [("1 process, 1 thread", 1, 1, ()), ("1 process, 2 threads", 1, 2, ()
 QUICK = ["1 process, 1 thread", "DDP, W = 2"]
 COLUMNS = ["setting", "processes", "threads", "cores", "dp", "tp", "parallel", "per_rank_batch", "global_batch",
            "tokens_per_step", "parameters", "tokens_per_s", "rounds", "efficiency", "peak_rss_mib_rank0",
-           "model_state_mib_per_rank"]
+           "model_state_mib_per_rank", "flops_per_token", "peak_gflops", "mfu"]
 
 
 def command(processes: int, flags: tuple[str, ...], model: tuple[str, ...], args: argparse.Namespace,
@@ -83,7 +83,10 @@ def measure(settings: list[tuple], args: argparse.Namespace, model: tuple[str, .
                      "tokens_per_s": statistics.median(speeds[name]), "rounds": " ".join(f"{v:.0f}" for v in
                                                                                         speeds[name]),
                      "peak_rss_mib_rank0": s["memory"]["peak"][0] / 2**20,
-                     "model_state_mib_per_rank": s["memory"]["state"][0] / 2**20})
+                     "model_state_mib_per_rank": s["memory"]["state"][0] / 2**20,
+                     # train.py's MFU, of this table's tokens/s: over the matmul peak its ranks measured together
+                     "flops_per_token": s["flops_per_token"], "peak_gflops": s["peak_flops"] / 1e9,
+                     "mfu": statistics.median(speeds[name]) * s["flops_per_token"] / s["peak_flops"]})
     return with_efficiency(rows)
 
 
@@ -98,10 +101,11 @@ def with_efficiency(rows: list[dict]) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     header = ["setting", "W", "cores", "dp x tp", "global batch", "tokens/step", "tokens/s", "efficiency", "rounds",
-              "state MiB/rank", "peak RSS MiB"]
+              "peak GFLOP/s", "MFU", "state MiB/rank", "peak RSS MiB"]
     table = [[r["setting"], str(r["processes"]), str(r["cores"]), f"{r['dp']} x {r['tp']}", str(r["global_batch"]),
               f"{r['tokens_per_step']:,}", f"{r['tokens_per_s']:,.0f}", f"{r['efficiency']:.2f}", r["rounds"],
-              f"{r['model_state_mib_per_rank']:.1f}", f"{r['peak_rss_mib_rank0']:.0f}"] for r in rows]
+              f"{r['peak_gflops']:.1f}", f"{r['mfu']:.1%}", f"{r['model_state_mib_per_rank']:.1f}",
+              f"{r['peak_rss_mib_rank0']:.0f}"] for r in rows]
     widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
     for row in [header, ["-" * w for w in widths], *table]:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
@@ -160,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print_table(rows)
     print(f"efficiency = tokens/s / (cores x tokens/s of 1 process, 1 thread), cores = processes x threads, at most "
-          f"{cores}: W = 4 is oversubscribed. state: a rank's weights, gradients and AdamW moments.")
+          f"{cores}: W = 4 is oversubscribed. peak: the matmul FLOP/s the setting's ranks measured together "
+          f"(train.py); MFU = tokens/s x FLOPs per token / peak. state: a rank's weights, gradients and AdamW moments.")
     with open(args.out / "gpt_scaling.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()

@@ -14,7 +14,9 @@ repository's copy of the same text (11_gpt/data/input.txt): one id per character
 Both final models are then scored by one function, 11_gpt's held-out loss: every held-out character but the first,
 in consecutive windows of the model's own context (64 characters for nanoGPT's run, 128 for 11_gpt's), in float64.
 nanoGPT's own figure (its last "val loss": 20 random batches) is printed beside it. Wall time is each launch's, from
-start to exit, as a reader waits for it. Writes DIR/vs_nanogpt.json.
+start to exit, as a reader waits for it. Writes DIR/vs_nanogpt.json, and DIR/vs_nanogpt.png: both training losses
+against each run's seconds of training (nanoGPT's per-iteration times, its evaluations in them; 11_gpt's log
+intervals, without its evaluations), as means over 50 steps, with each run's final held-out loss.
 """
 from __future__ import annotations
 
@@ -97,13 +99,60 @@ def our_model(stage, out: Path):
     return model, summary["model"]["context"], summary["parameters"]
 
 
+def nanogpt_curve(log: str, every: int = 50) -> list[tuple[float, float]]:
+    """(seconds of training so far, mean training loss of the last `every` iterations) from nanoGPT's log lines,
+    "iter N: loss L, time Tms, ..." (T: the time since the previous one, its evaluation and checkpoint included)."""
+    iters = [(float(loss), float(ms) / 1000) for loss, ms in re.findall(r"^iter \d+: loss ([\d.]+), time ([\d.]+)ms",
+                                                                         log, re.M)]
+    points, seconds = [], 0.0
+    for i in range(0, len(iters) - every + 1, every):
+        chunk = iters[i:i + every]
+        seconds += sum(t for _, t in chunk)
+        points.append((seconds, sum(loss for loss, _ in chunk) / every))
+    return points
+
+
+def our_curve(summary: dict) -> list[tuple[float, float]]:
+    """(seconds of training so far, mean training loss since the previous log line) from 11_gpt's summary.json."""
+    points, seconds, previous = [], 0.0, 0
+    tokens_per_step = summary["global_batch"] * summary["model"]["context"]
+    for step, train_loss, _, tokens_per_s in summary["curve"]:
+        seconds += (step - previous) * tokens_per_step / tokens_per_s
+        points.append((seconds, train_loss))
+        previous = step
+    return points
+
+
+def plot(curves: dict[str, list[tuple[float, float]]], rows: list[dict], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 4.6))
+    for i, row in enumerate(rows):
+        seconds, losses = zip(*curves[row["run"]], strict=True) if curves[row["run"]] else ((), ())
+        ax.plot(seconds, losses, color=f"C{i}", label=f"{row['run']}: training loss (mean of 50 steps)")
+        ax.scatter([row["wall_seconds"]], [row["held_out_loss"]], color=f"C{i}", zorder=3,
+                   label=f"{row['run']}: held-out loss at the end, {row['held_out_loss']:.3f} "
+                         f"(plotted at its wall time, {row['wall_seconds']:.0f} s)")
+    ax.set_xlabel("seconds: of training (the curves), from start to exit (the dots)")
+    ax.set_ylabel("loss, nats per character")
+    ax.set_ylim(1.4, 3.0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("11_gpt's default run beside nanoGPT's CPU command, one after the other on one machine", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def run(name: str, cmd: list[str], cwd: Path, out: Path, timeout: float) -> tuple[float, str]:
-    """One launch, timed from start to exit; its stdout."""
+    """One launch, timed from start to exit; its stdout (also written to out/stdout.txt)."""
     print(f"{name}: $ {' '.join(cmd)}", flush=True)
     job = run_job([cmd], out, None, timeout, cwd=cwd)
     if job.returncode != 0 or job.survivors:
         raise SystemExit(f"{name} failed:\n{job.describe()}")
     print(f"{name}: {job.seconds:.0f} s", flush=True)
+    (out / "stdout.txt").write_text(job.stdout)  # the whole log, beside the run's files
     return job.seconds, job.stdout
 
 
@@ -165,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "vs_nanogpt.json").write_text(json.dumps({"quick": args.quick, "torch": torch.__version__,
                                                           "threads": torch.get_num_threads(), "rows": rows},
                                                          indent=2) + "\n")
-    print(f"wrote {args.out / 'vs_nanogpt.json'}")
+    plot({"nanoGPT": nanogpt_curve(theirs_log), "11_gpt": our_curve(ours)}, rows, args.out / "vs_nanogpt.png")
+    print(f"wrote {args.out / 'vs_nanogpt.json'} and {args.out / 'vs_nanogpt.png'}")
     return 0
 
 

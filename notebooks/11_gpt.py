@@ -18,10 +18,10 @@
 #
 # | | stages 01–09 | stage 11 |
 # |---|---|---|
-# | model | MLP 8 → 64 → 64 → 4, 4,996 parameters | GPT: 4 blocks, width 128, 826,368 parameters |
+# | model | MLP 8 → 64 → 64 → 4, 4,996 parameters | GPT: 4 blocks, width 128, 818,176 parameters |
 # | data | 4,096 synthetic samples | 1,003,854 characters of Shakespeare (the last 10% held out) |
 # | length of training | `--epochs` | `--max-steps`: random windows of the text, one order from `--seed` |
-# | optimizer | SGD with momentum | AdamW |
+# | optimizer | SGD with momentum | AdamW: warm-up then cosine decay, decay on the matrices, clipping |
 # | "it learned" | held-out accuracy > 95% | held-out loss below the bigram baseline |
 #
 # This notebook computes the baselines from the text, looks at the model, checks on a tiny copy of
@@ -82,7 +82,7 @@ nb.show(fig)
 # residual stream and adding its result back (pre-norm), a final norm, and a head that scores the 65
 # possible next characters at every position. `scaled_dot_product_attention(..., is_causal=True)`
 # lets position *i* see positions 0..*i* only: the model predicts each character from those before
-# it, 128 predictions per window. Almost every parameter sits in the blocks' matrices, which is
+# it, 64 predictions per window. Almost every parameter sits in the blocks' matrices, which is
 # what FSDP2 shards and tensor parallelism splits.
 
 # %%
@@ -147,8 +147,9 @@ nb.show(fig)
 # ## The default run, as measured
 #
 # `torchrun --standalone --nproc_per_node=2 11_gpt/train.py --out runs/11_gpt`: 2 processes of 16
-# windows of 128 characters, 600 steps of 4,096 tokens. Its summary is kept beside the stage
-# (`11_gpt/default_run.json`); it took 119 s on a 2-core CPU (the README shows what it printed).
+# windows of 64 characters, 800 steps of 2,048 tokens. Its summary is kept beside the stage
+# (`11_gpt/default_run.json`); it took 126 s on a 2-core CPU, nanoGPT's CPU run 145 s beside it
+# (the README shows what it printed, and both runs' curves).
 
 # %%
 run = json.loads((nb.ROOT / "11_gpt" / "default_run.json").read_text())
@@ -181,6 +182,6 @@ print(f"\nits sample:\n{run['sample']}")
 #   by heads (q, k, v column-wise, the output projection row-wise) and the MLP as 09's pair.
 # - `--snapshot DIR`: stage 08's sharded checkpoints, resumed exactly on any layout (the data of a
 #   step depends on `--seed` and the step alone, so no random state needs saving).
-# - On a GPU: `--amp bf16 --compile`, and the model FLOPs utilisation (MFU) the run prints there:
-#   tokens/s × (6 × the matmul weights + 12 × layers × context × width) / the GPU's peak. Not run by
+# - On a GPU: `--amp bf16 --compile`, and the model FLOPs utilisation (MFU) against the GPU's data
+#   sheet (on a CPU the run measures its own matmul peak: the default run printed 49.7%). Not run by
 #   this tutorial (no GPU); the README lists settings for one GPU and for several.

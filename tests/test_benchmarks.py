@@ -307,3 +307,18 @@ def test_vs_nanogpt_quick_run_scores_both_models(tmp_path):
     assert set(rows) == {"nanoGPT", "11_gpt"} and "held-out loss" in run.stdout, run.describe()
     assert abs(rows["11_gpt"]["held_out_loss"] - rows["11_gpt"]["own_estimate"]) < 1e-4, rows
     assert rows["nanoGPT"]["context"] == 64 and rows["nanoGPT"]["tokens"] == 20 * 12 * 64, rows
+    assert (tmp_path / "vs_nanogpt.png").stat().st_size > 0
+
+
+def test_the_curves_are_read_from_both_logs():
+    """The figure's curves: nanoGPT's per-iteration lines (its evaluation lines skipped) in means of 50 iterations at
+    their summed times; 11_gpt's log intervals at the seconds their tokens/s imply (which add up to its training
+    time)."""
+    vs = load_copy(ROOT / "benchmarks" / "vs_nanogpt.py")
+    log = "step 0: train loss 4.2, val loss 4.2\n" + "".join(
+        f"iter {i}: loss {3 - i / 100:.4f}, time {10 + i % 2}.00ms, mfu -100.00%\n" for i in range(120))
+    points = vs.nanogpt_curve(log)
+    assert [round(t, 6) for t, _ in points] == [0.525, 1.05]  # 25 iterations of 10 ms and 25 of 11 in each 50
+    assert points[0][1] == pytest.approx(3 - 24.5 / 100) and points[1][1] == pytest.approx(3 - 74.5 / 100)
+    summary = {"global_batch": 4, "model": {"context": 8}, "curve": [[10, 2.5, 2.6, 320.0], [30, 2.0, 2.1, 640.0]]}
+    assert vs.our_curve(summary) == [(1.0, 2.5), (2.0, 2.0)]

@@ -82,7 +82,9 @@ CHECKPOINT_STAGES = [CHECKPOINT_STAGE, "09_tensor_parallel"]  # 09 keeps 08's ch
 GPT_STAGE = "11_gpt"  # a directory of shards too, but its own checks (steps, not epochs; the model's shape)
 # A tiny GPT (one block of width 16 reading 16 characters): its cases cost what a launch costs, not training.
 GPT_TINY = ("--device", "cpu", "--layers", "1", "--heads", "1", "--width", "16", "--context", "16", "--sample", "0")
-GPT_SETTINGS = (*GPT_TINY, "--batch-size", "2", "--save-every", "2", "--eval-every", "2")  # the checkpoint's
+# The checkpoint's settings; its learning rate decays over the 4 steps of the runs that resume it.
+GPT_SETTINGS = (*GPT_TINY, "--batch-size", "2", "--save-every", "2", "--eval-every", "2", "--lr", "0.002",
+                "--decay-steps", "4")
 GPT_STEPS = 2  # steps in the checkpoint the bad-snapshot cases spoil (one process)
 # Killed and stalled as the stages are: 2 processes under torchrun, a log line every step, told to run far longer.
 GPT_FAULT = Step(GPT_STAGE, "torchrun", (*GPT_TINY, "--batch-size", "2", "--eval-every", "1", "--max-steps",
@@ -372,7 +374,8 @@ def spoilt_gpt_checkpoint(kind: str, path: Path, place: Place) -> tuple[Path, tu
         (last / "progress.json").write_text(json.dumps({"epochs_run": 1, "losses": [2.0]}))
     elif kind != "good":
         settings = {"other_model": ("--width", "32"), "other_seed": ("--seed", "7"),
-                    "other_batch": ("--batch-size", "4"), "other_dtype": ("--dtype", "float64")}[kind]
+                    "other_batch": ("--batch-size", "4"), "other_dtype": ("--dtype", "float64"),
+                    "other_schedule": ("--lr", "0.01")}[kind]
     return path, (*GPT_SETTINGS, "--max-steps", str(2 * GPT_STEPS), "--snapshot", str(path), *settings)
 
 
@@ -493,7 +496,9 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
                   ("--context", "0"): "--context", ("--context", "200000"): "--context",  # longer than the text
                   ("--layers", "0"): "--layers", ("--heads", "0"): "--heads", ("--heads", "3"): "--heads",
                   ("--width", "0"): "--width", ("--eval-every", "0"): "--eval-every", ("--sample", "-1"): "--sample",
-                  ("--sample", "x"): "--sample"}
+                  ("--sample", "x"): "--sample", ("--clip", "-1"): "--clip", ("--warmup-steps", "0"): "--warmup-steps",
+                  ("--decay-steps", "0"): "--decay-steps",
+                  ("--warmup-steps", "20", "--max-steps", "10"): "--warmup-steps"}  # a warm-up past the decay's end
     return table
 
 
@@ -579,7 +584,8 @@ SNAPSHOT_KINDS = {SNAPSHOT_STAGE: ["truncated", "not_torch", "foreign", "payload
                   CHECKPOINT_STAGE: ["truncated", "missing", "foreign", "payload", "other_model", "other_seed",
                                      "other_dtype"],
                   GPT_STAGE: ["truncated", "missing", "foreign", "payload", "no_progress", "progress_not_json",
-                              "progress_of_another", "other_model", "other_seed", "other_batch", "other_dtype"]}
+                              "progress_of_another", "other_model", "other_seed", "other_batch", "other_dtype",
+                              "other_schedule"]}
 # What stage 11's line says for each kind: refused for the reason of its kind, not for another one.
 GPT_SETTINGS_LINE = "was made with --seed 0, global batch 2 and --dtype float32"
 GPT_REFUSALS = {"truncated": "__0_0.distcp is truncated", "missing": "__0_0.distcp is missing",
@@ -587,7 +593,8 @@ GPT_REFUSALS = {"truncated": "__0_0.distcp is truncated", "missing": "__0_0.dist
                 "payload": "is not part of a checkpoint's metadata", "no_progress": "cannot load",
                 "progress_not_json": "cannot load", "progress_of_another": "progress.json is not this stage's",
                 "other_model": "holds another model: context 16, 1 blocks, 1 heads, width 16",
-                "other_seed": GPT_SETTINGS_LINE, "other_batch": GPT_SETTINGS_LINE, "other_dtype": GPT_SETTINGS_LINE}
+                "other_seed": GPT_SETTINGS_LINE, "other_batch": GPT_SETTINGS_LINE, "other_dtype": GPT_SETTINGS_LINE,
+                "other_schedule": "was made with --lr 0.002 --warmup-steps 1 --decay-steps 4"}
 LAUNCHED_KIND = "truncated"
 LAUNCHED_BAD_VALUE = ("--batch-size", "0")  # the bad value launched for real in every stage; the rest: in-process
 TYPO = ("--batchsize", "32")  # a misspelt flag: argparse's own error, also raised in parse_args

@@ -2,10 +2,13 @@
 input in one line.
 
 Nine launches of a tiny model (2 blocks, 2 heads, width 32, context 32), global batch 4, serve every assert; the
-single-process run in float64 is the reference:
+single-process run in float64 is the reference. All of them train with the stage's recipe: the rate warmed up over
+2 steps and decayed over 12 (half's and fsdp's first legs are told --decay-steps 12), the gradient clipped to a norm
+of 1, which the first steps exceed and the later ones do not, so the layouts are compared on steps of both kinds:
 
     one       python, batch 4, 12 steps, a checkpoint every 3 (its trajectory: the state at 0, 3, 6, 9, 12)
-    half      python, batch 4, 6 steps;  resumed: the same command, --max-steps 12, from half's checkpoint
+    half      python, batch 4, 6 steps, its checkpoint at step 5, between two log lines (3 and 6);
+              resumed: one's command from half's checkpoint (step 5) to 12
     ddp       torchrun, 2 processes of batch 1 x --accumulate 2 (DDP, no_sync), 12 steps, a checkpoint every 3
     fsdp      torchrun, 2 processes of batch 1 x --accumulate 2, --parallel fsdp, 6 steps
     tp        torchrun, --parallel fsdp --tp 2 (dp 1 x tp 2) of batch 4, resumed from fsdp's checkpoint to 12 steps
@@ -14,8 +17,9 @@ single-process run in float64 is the reference:
     compiled  python, --compile, batch 4, 3 steps (float64): torch.compile computes the eager reference's steps
     bf16      python, --amp bf16 --dtype float32, batch 4, 3 steps: the bf16 autocast path, end to end
 
-States are compared whole (weights and both AdamW moments) at every step where both runs recorded one, within
-sqrt(eps) of float64 (1.5e-8; correct runs differ by ~1e-14); the resumed single process bit for bit. Bad input is
+States are compared whole (weights and both AdamW moments) at every step where both runs recorded one, and with
+them every step's loss and gradient norm, within sqrt(eps) of float64 (1.5e-8; correct runs differ by ~1e-14); the
+resumed single process bit for bit. Bad input is
 checked in this process, through main() up to where it would join a group; so are the rows each dp rank takes
 (Trainer._run_step itself, on a stand-in model) and the dtype bf16 autocast computes the matmuls in. The scaling
 benchmark's check reads the run of its quick command in 11_gpt/README.md (the readme_run marker), which the README
@@ -43,8 +47,10 @@ from harness import ROOT, Run, Step, check, clean_env, launch, load_stage, mutat
 STAGE = "11_gpt"
 TOL = tolerance("float64")
 DATA = ROOT / STAGE / "data" / "input.txt"
+CLIP = 1.0  # the tiny model's gradient norms fall from 2.0 to 0.6 over the 12 steps: the first 5 or so are clipped
 TINY = ("--layers", "2", "--heads", "2", "--width", "32", "--context", "32", "--dtype", "float64", "--device", "cpu",
-        "--eval-every", "3", "--save-every", "3", "--sample", "40", "--lr", "0.01")
+        "--eval-every", "3", "--save-every", "3", "--sample", "40", "--lr", "0.01", "--warmup-steps", "2",
+        "--clip", str(CLIP))
 CAUSAL = "y = F.scaled_dot_product_attention(q, k, v, is_causal=True)"
 
 
@@ -66,11 +72,12 @@ def runs(tmp_path_factory) -> dict[str, Run]:
     chains = {  # the compiled run first: the longest (compiling), so that the others fill in beside it
         "compiled": [step("python", "--compile", "--batch-size", "4", "--max-steps", "3")],
         "one": [step("python", "--batch-size", "4", "--max-steps", "12", "--snapshot", str(tmp / "ck_one"))],
-        "half": [step("python", "--batch-size", "4", "--max-steps", "6", "--snapshot", str(tmp / "ck_half")),
+        "half": [step("python", "--batch-size", "4", "--max-steps", "6", "--decay-steps", "12", "--save-every", "5",
+                      "--snapshot", str(tmp / "ck_half")),
                  step("python", "--batch-size", "4", "--max-steps", "12", "--snapshot", str(tmp / "ck_half"))],
         "ddp": [step("torchrun", *DDP_ARGS, "--snapshot", str(tmp / "ck_ddp"), nproc=2)],
         "fsdp": [step("torchrun", "--batch-size", "1", "--accumulate", "2", "--parallel", "fsdp", "--max-steps", "6",
-                      "--snapshot", str(tmp / "ck_fsdp"), nproc=2),
+                      "--decay-steps", "12", "--snapshot", str(tmp / "ck_fsdp"), nproc=2),
                  step("torchrun", "--batch-size", "4", "--parallel", "fsdp", "--tp", "2", "--max-steps", "12",
                       "--snapshot", str(tmp / "ck_fsdp"), nproc=2)],
         "broken": [step("torchrun", *DDP_ARGS, "--snapshot", str(tmp / "ck_broken"), nproc=2)],
@@ -104,14 +111,17 @@ def states(run: Run) -> dict[int, dict]:
 
 
 def compare(run: Run, reference: Run) -> tuple[float, list[int]]:
-    """(the largest gap over the steps both recorded, those steps): the states, and the per-step losses beside them
-    (a loss is a number the state determines, so it counts in the same gap)."""
+    """(the largest gap over the steps both recorded, those steps): the states, and beside them the per-step losses
+    and gradient norms before clipping (numbers the state determines, so they count in the same gap). The norm is
+    the one clipping divides by: a layout that took it over its own shard or slice would scale its steps otherwise."""
     ours, theirs = states(run), states(reference)
     shared = sorted(ours.keys() & theirs.keys())
-    losses, reference_losses = run.summary["losses"], reference.summary["losses"]
-    assert len(losses) <= len(reference_losses), (len(losses), len(reference_losses))
-    loss_gap = max(abs(a - b) for a, b in zip(losses, reference_losses, strict=False))
-    return max(loss_gap, *(gap(ours[s], theirs[s]) for s in shared)), shared
+    per_step = []
+    for key in ("losses", "grad_norms"):
+        mine, reference_values = run.summary[key], reference.summary[key]
+        assert len(mine) == run.summary["steps"] and len(mine) <= len(reference_values), (key, len(mine))
+        per_step += [abs(a - b) for a, b in zip(mine, reference_values, strict=False)]
+    return max(*per_step, *(gap(ours[s], theirs[s]) for s in shared)), shared
 
 
 def speed_is_the_runs_own_count(run: Run) -> None:
@@ -121,7 +131,7 @@ def speed_is_the_runs_own_count(run: Run) -> None:
     steps, tokens_per_step = s["steps"] - s["resumed_at"], s["global_batch"] * s["model"]["context"]
     assert 0 < s["train_seconds"] <= s["seconds"], (s["train_seconds"], s["seconds"])
     assert s["tokens_per_s"] == pytest.approx(steps * tokens_per_step / s["train_seconds"], rel=1e-9)
-    printed = re.search(r"^tokens/s ([\d,]+) over (\d+) steps \(([\d.]+)s of training\)$", run.stdout, re.M)
+    printed = re.search(r"^tokens/s ([\d,]+) over (\d+) steps \(([\d.]+)s of training\) \| ", run.stdout, re.M)
     assert printed, run.stdout
     assert (int(printed[1].replace(",", "")), int(printed[2])) == (round(s["tokens_per_s"]), steps), printed[0]
     # The curve: [step, train loss, held-out loss, tokens/s since the previous point]. Each interval's seconds,
@@ -136,6 +146,9 @@ def test_the_reference_learns_and_reports(runs):
     s = runs["one"].summary
     assert (s["world_size"], s["dp"], s["tp"], s["parallel"], s["global_batch"]) == (1, 1, 1, "ddp", 4)
     assert s["steps"] == 12 and len(s["losses"]) == 12 and [c[0] for c in s["curve"]] == [3, 6, 9, 12]
+    # Clipping acted: the layouts below are compared on steps it scaled down, and on steps it left alone.
+    assert sum(n > CLIP for n in s["grad_norms"]) >= 3 and sum(n < CLIP for n in s["grad_norms"]) >= 3 and \
+        s["clip"] == CLIP, s["grad_norms"]
     assert s["losses"][-1] < s["losses"][0] - 0.2, s["losses"]  # 12 steps at lr 0.01: from ln 65 = 4.17 down
     # The held-out loss counts every held-out character but the first, once (111,540 held out); the baselines
     # are the corpus's: ln 65 for the uniform one, and bigram < unigram < uniform.
@@ -143,8 +156,12 @@ def test_the_reference_learns_and_reports(runs):
     assert s["eval_count"] == 111_539 and b["uniform"] == pytest.approx(math.log(65))
     assert b["bigram"] < b["unigram"] < b["uniform"]
     assert len(s["sample"]) == 40 and "sample (40 characters" in runs["one"].stdout
-    assert s["mfu"] is None and s["memory"]["peak"][0] > 0
-    for name in ("one", "resumed", "ddp", "tp"):  # one process, resumed (6 steps here), accumulated, tensor parallel
+    assert s["memory"]["peak"][0] > 0
+    # The MFU is of the matmul peak the run measured (one rank, one thread: pytest's launcher sets no thread count,
+    # python then uses the cores), and a model can go no faster than its largest matmuls.
+    assert s["mfu"] == pytest.approx(s["tokens_per_s"] * s["flops_per_token"] / s["peak_flops"], rel=1e-12)
+    assert 0 < s["mfu"] < 1 and "a float64 matmul measured now" in s["peak"], s["peak"]
+    for name in ("one", "resumed", "ddp", "tp"):  # one process, resumed (7 steps here), accumulated, tensor parallel
         speed_is_the_runs_own_count(runs[name])
     assert [t["step"] for t in runs["one"].trajectory] == [0, 3, 6, 9, 12]
     model = load_stage(STAGE).GPT(load_stage(STAGE).Config(**s["model"]))
@@ -153,11 +170,13 @@ def test_the_reference_learns_and_reports(runs):
 
 def test_a_resumed_run_is_the_uninterrupted_one_bit_for_bit(runs):
     resumed, one = runs["resumed"], runs["one"]
-    assert "at step 6" in resumed.stdout and resumed.summary["resumed_at"] == 6
+    assert "at step 5" in resumed.stdout and resumed.summary["resumed_at"] == 5
+    # Step 5 was no log step: its checkpoint still kept steps 4 and 5's losses and norms (settled when saving).
     assert resumed.summary["losses"] == one.summary["losses"]
-    assert [t["step"] for t in resumed.trajectory] == [6, 9, 12]
-    for s, state in states(resumed).items():
-        assert gap(state, states(one)[s]) == 0.0, s
+    assert resumed.summary["grad_norms"] == one.summary["grad_norms"]
+    assert [t["step"] for t in resumed.trajectory] == [5, 6, 9, 12]
+    for s in (6, 9, 12):
+        assert gap(states(resumed)[s], states(one)[s]) == 0.0, s
     assert all(torch.equal(resumed.model[k], one.model[k]) for k in one.model)
 
 
@@ -242,6 +261,8 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path):
         (["--data", str(tmp_path / "missing.txt")], {}, "--data: cannot read"),
         (["--data", str(binary)], {}, "--data: cannot read"),
         ([*TINY, "--context", "64", "--batch-size", "4", "--snapshot", ck], {}, "holds another model: context 32"),
+        ([*TINY, "--batch-size", "4", "--snapshot", ck], {}, "was made with --lr 0.01 --warmup-steps 2 --decay-steps "
+                                                            "12; resume with the same"),  # --max-steps: 900
     ]
     for args, env, message in cases:
         code, err = refusal(args, env)
@@ -251,7 +272,7 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path):
     # The controls: a tp that divides 4 heads, a context the text holds, the checkpoint's own model.
     assert refusal(["--parallel", "fsdp", "--tp", "4"], {"WORLD_SIZE": "4"})[0] == "accepted"
     assert refusal(["--data", str(short), "--context", "4"])[0] == "accepted"
-    assert refusal([*TINY, "--batch-size", "4", "--snapshot", ck])[0] == "accepted"
+    assert refusal([*TINY, "--batch-size", "4", "--max-steps", "12", "--snapshot", ck])[0] == "accepted"
 
 
 class Recorder(torch.nn.Module):
@@ -276,6 +297,8 @@ def trainer_step(gpt, tokens: torch.Tensor, dp_rank: int, dp: int, batch: int, a
     grads = []
 
     class KeepGradient:  # the optimizer: keeps what backward accumulated instead of stepping
+        param_groups: list[dict] = []
+
         def step(self) -> None:
             grads.append(model.logits.grad.clone())
 
@@ -284,10 +307,11 @@ def trainer_step(gpt, tokens: torch.Tensor, dp_rank: int, dp: int, batch: int, a
 
     trainer = SimpleNamespace(
         model=model, optimizer=KeepGradient(), corpus=SimpleNamespace(train=tokens), cfg=SimpleNamespace(context=16),
-        args=SimpleNamespace(seed=3, batch_size=batch, accumulate=accumulate, amp=None), steps=step, dp_rank=dp_rank,
-        dp=dp, global_batch=dp * accumulate * batch, device=torch.device("cpu"),
+        args=SimpleNamespace(seed=3, batch_size=batch, accumulate=accumulate, amp=None, clip=0, lr=0.1,
+                             warmup_steps=1, decay_steps=10),
+        steps=step, dp_rank=dp_rank, dp=dp, global_batch=dp * accumulate * batch, device=torch.device("cpu"),
         syncing=lambda last: contextlib.nullcontext())
-    loss = gpt.Trainer._run_step(trainer)
+    loss, _ = gpt.Trainer._run_step(trainer)  # the step's loss and gradient norm
     return model.seen, loss.item(), grads[0]
 
 
@@ -343,10 +367,12 @@ def test_bf16_autocast_computes_the_matmuls_in_bfloat16(runs):
         model = gpt.GPT(gpt.Config(len(corpus.chars), 32, 2, 2, 32))
         trainer = SimpleNamespace(
             model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), corpus=corpus,
-            cfg=model.cfg, args=SimpleNamespace(seed=0, batch_size=4, accumulate=1, amp=amp), steps=0, dp_rank=0,
-            dp=1, global_batch=4, device=torch.device("cpu"), syncing=lambda last: contextlib.nullcontext())
+            cfg=model.cfg, args=SimpleNamespace(seed=0, batch_size=4, accumulate=1, amp=amp, clip=0, lr=0.0,
+                                                warmup_steps=1, decay_steps=1),
+            steps=0, dp_rank=0, dp=1, global_batch=4, device=torch.device("cpu"),
+            syncing=lambda last: contextlib.nullcontext())
         with Dtypes() as mode:
-            loss = gpt.Trainer._run_step(trainer).item()
+            loss = gpt.Trainer._run_step(trainer)[0].item()
         found[amp] = (loss, {dtype for _, dtype in mode.seen}, {name for name, _ in mode.seen})
     assert found["bf16"][1] == {torch.bfloat16} and found[None][1] == {torch.float32}, found
     names = found["bf16"][2]  # the linear layers forward (addmm) and backward (mm), and the attention forward
@@ -389,6 +415,54 @@ def test_the_oldest_torch_it_accepts_is_accepted(stage, monkeypatch, capsys):
             (version, code, err)
 
 
+def test_the_learning_rate_warms_up_then_decays_along_a_cosine():
+    """The schedule: --lr x (step + 1) / --warmup-steps while warming up, --lr at the warm-up's end, down to --lr / 10
+    at --decay-steps along half a cosine (halfway: the mean of the two), and --lr / 10 after it."""
+    lr = load_stage(STAGE).learning_rate
+    args = SimpleNamespace(lr=0.01, warmup_steps=4, decay_steps=24)
+    rates = [lr(step, args) for step in range(30)]
+    assert rates[:4] == pytest.approx([0.0025, 0.005, 0.0075, 0.01])
+    assert rates[4] == pytest.approx(0.01) and rates[14] == pytest.approx(0.0055)
+    assert rates[24:] == pytest.approx([0.001] * 6)
+    assert all(a > b for a, b in zip(rates[4:24], rates[5:25], strict=True))
+
+
+def test_clipping_scales_the_whole_gradient_to_the_bound():
+    """clip_gradients on a plain model: the norm it returns is the whole gradient's before clipping; after, the
+    gradient has norm --clip and the same direction; below the bound, or with --clip 0, it is left as it was."""
+    gpt = load_stage(STAGE)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    model(torch.randn(5, 4)).pow(2).sum().backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    norm = torch.cat([g.flatten() for g in before]).norm().item()
+    assert gpt.clip_gradients(model, 0).item() == pytest.approx(norm) and \
+        all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), before, strict=True))
+    assert gpt.clip_gradients(model, 2 * norm).item() == pytest.approx(norm) and \
+        all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), before, strict=True))
+    assert gpt.clip_gradients(model, norm / 4).item() == pytest.approx(norm)
+    for p, g in zip(model.parameters(), before, strict=True):
+        assert torch.allclose(p.grad, g / 4, rtol=1e-5), (p.grad, g)
+
+
+def test_weight_decay_falls_on_the_matrices_only():
+    """AdamW's two groups: decay 0.1 on the linear layers' weights (the head's too), none on the embeddings, biases
+    and norms; every parameter in exactly one group."""
+    gpt = load_stage(STAGE)
+    corpus = gpt.load_corpus(DATA)
+    args = gpt.parse_args([*TINY])
+    with mock.patch.object(gpt, "parallelize", lambda model, mesh, args: model):  # one process, nothing split
+        _, model, optimizer = gpt.load_train_objs(args, corpus, torch.device("cpu"), mesh=None)
+    decay = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+    names = {n: decay[id(p)] for n, p in model.named_parameters()}
+    assert len(decay) == len(names) == sum(len(g["params"]) for g in optimizer.param_groups)
+    decayed = sorted(n for n, d in names.items() if d)
+    assert all(d in (0.0, 0.1) for d in names.values()) and decayed == sorted(
+        n for n in names if n.endswith("weight") and ".norm" not in n and not n.startswith(("tokens", "positions",
+                                                                                               "norm"))), decayed
+    assert "head.weight" in decayed and "blocks.0.attn.q.weight" in decayed and "tokens.weight" not in decayed
+
+
 def test_the_baselines_are_the_corpus_counts():
     """Checked by hand on a tiny text: uniform ln V; unigram and bigram from add-one counts of the training part."""
     gpt = load_stage(STAGE)
@@ -422,5 +496,8 @@ def test_the_scaling_benchmark_writes_its_table_and_figure(readme_runs):
         [("1 process, 1 thread", "1", "1", "1"), ("DDP, W = 2", "2", "2", "1")], rows
     assert all(float(r["tokens_per_s"]) > 0 and float(r["model_state_mib_per_rank"]) > 0 for r in rows), rows
     assert float(rows[0]["efficiency"]) == 1.0 and int(rows[1]["global_batch"]) == 2 * int(rows[0]["global_batch"])
+    for r in rows:  # the MFU is of the table's own tokens/s, over the peak the run measured
+        mfu = float(r["tokens_per_s"]) * float(r["flops_per_token"]) / (float(r["peak_gflops"]) * 1e9)
+        assert float(r["mfu"]) == pytest.approx(mfu, rel=1e-4) and 0 < mfu < 1, r
     assert (run.out / "gpt_scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert re.search(r"^DDP, W = 2 +2 +2 +2 x 1 +32 ", run.stdout, re.M), run.stdout

@@ -16,7 +16,7 @@ README may leave lines out: a line `...`, or "the epoch lines left out"), with:
   torchrun's OMP_NUM_THREADS banner) are not compared: they depend on the environment the command ran in.
 
 Skipped blocks, each with its reason (SKIPPED): diagrams and listings that explain rather than show a run; outputs of
-commands given in the prose, not of a block that runs here (the 600-step GPT run, `tour.py --dtype float32`, a
+commands given in the prose, not of a block that runs here (the 800-step GPT run, `tour.py --dtype float32`, a
 session with a killed worker, Slurm's transcript); outputs of blocks that do not run here (GPUs, container builds:
 those blocks carry their own not-run reason); a failure whose messages race between ranks. A test checks that every
 ```text block is either compared or skipped with a reason, so a new output block has to be placed in one list.
@@ -148,7 +148,7 @@ SKIPPED = {  # (README, how the block's first line starts): why it is not compar
     ("09_tensor_parallel/README.md", "tp 0      tp 1"): "a diagram of the dp x tp grid",
     ("09_tensor_parallel/README.md", "x [B, 8]"): "a diagram of the split layers",
     ("11_gpt/README.md", "[11_gpt] world size 2 = dp 2 x tp 1"):
-        "the default 600-step run (2 minutes, given in the prose); the README's block runs 20 and 10 steps",
+        "the default 800-step run (2 minutes, given in the prose); the README's block runs 20 and 10 steps",
     ("11_gpt/README.md", "11_gpt/train.py: error: argument --tp"):
         "the refusals tests/test_gpt.py checks in-process, not a block's output",
     ("README.md", "01_single_gpu/ … 11_gpt/"): "the repository's layout",
