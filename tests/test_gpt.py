@@ -47,7 +47,7 @@ from harness import ROOT, Run, Step, check, clean_env, launch, load_stage, mutat
 STAGE = "11_gpt"
 TOL = tolerance("float64")
 DATA = ROOT / STAGE / "data" / "input.txt"
-CLIP = 1.0  # the tiny model's gradient norms fall from 2.0 to 0.6 over the 12 steps: the first 5 or so are clipped
+CLIP = 1.0  # the tiny model's gradient norms fall from 2.0 to about 0.6 over the 12 steps: the first 5 are clipped
 TINY = ("--layers", "2", "--heads", "2", "--width", "32", "--context", "32", "--dtype", "float64", "--device", "cpu",
         "--eval-every", "3", "--save-every", "3", "--sample", "40", "--lr", "0.01", "--warmup-steps", "2",
         "--clip", str(CLIP))
@@ -157,8 +157,7 @@ def test_the_reference_learns_and_reports(runs):
     assert b["bigram"] < b["unigram"] < b["uniform"]
     assert len(s["sample"]) == 40 and "sample (40 characters" in runs["one"].stdout
     assert s["memory"]["peak"][0] > 0
-    # The MFU is of the matmul peak the run measured (one rank, one thread: pytest's launcher sets no thread count,
-    # python then uses the cores), and a model can go no faster than its largest matmuls.
+    # The MFU is of the matmul peak the run measured, and a model can go no faster than its large matmuls.
     assert s["mfu"] == pytest.approx(s["tokens_per_s"] * s["flops_per_token"] / s["peak_flops"], rel=1e-12)
     assert 0 < s["mfu"] < 1 and "a float64 matmul measured now" in s["peak"], s["peak"]
     for name in ("one", "resumed", "ddp", "tp"):  # one process, resumed (7 steps here), accumulated, tensor parallel
@@ -262,7 +261,7 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path):
         (["--data", str(binary)], {}, "--data: cannot read"),
         ([*TINY, "--context", "64", "--batch-size", "4", "--snapshot", ck], {}, "holds another model: context 32"),
         ([*TINY, "--batch-size", "4", "--snapshot", ck], {}, "was made with --lr 0.01 --warmup-steps 2 --decay-steps "
-                                                            "12; resume with the same"),  # --max-steps: 900
+                                                            "12; resume with the same"),  # default --max-steps
     ]
     for args, env, message in cases:
         code, err = refusal(args, env)
