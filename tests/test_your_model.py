@@ -1,16 +1,8 @@
 """your_model/index.md, "Your model, your data": every block of code on the page is the code, every command on it
 runs and prints what the page shows, and its claims hold.
 
-The page's blocks are tagged by a comment on the line before them:
-
-    <!-- file: PATH -->           ```python: the file PATH, whole
-    <!-- excerpt: PATH -->        ```python: whole consecutive lines of PATH
-    <!-- diff: A B -->            ```diff: `diff -u A B` without the timestamps (difflib's unified diff)
-    <!-- run -->                  ```bash: run here, block after block, in a copy of your_model/ (runs/ fill there)
-    <!-- not-run: REASON -->      ```bash: not run (the lr benchmark at full size: its CSV is checked instead)
-    <!-- output -->               ```text: what the run block just before printed, exactly
-    <!-- output: approx -->       the same, with the numbers of a training run within rounding of another CPU
-    <!-- output-part: SCRIPT -->  ```text: consecutive lines of what the run block of SCRIPT printed
+The page's blocks are tagged as tests/page_blocks.py says. Here the run blocks run block after block, in a copy of
+your_model/ (runs/ fill there); the one not-run block is the lr benchmark at full size (its CSV is checked instead).
 
 Cost here: the page's commands once (2 torchrun launches of 2 ranks, 5 plain python processes: ~35 CPU-s), the
 FSDP check's negative control (the page's fsdp.py command once more, on a copy without set_epoch: ~18 CPU-s), and
@@ -19,14 +11,12 @@ one row of the lr benchmark in this process (40 steps: a second or two).
 from __future__ import annotations
 
 import csv
-import difflib
 import importlib.util
 import math
 import os
 import re
 import shutil
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,37 +25,13 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from harness import ROOT, Run, run_job
+from page_blocks import code_mismatch, diff_mismatch, output_mismatch, page_blocks, shown_outputs, untagged
 
 HERE = ROOT / "your_model"
 PAGE = HERE / "index.md"
-FENCE = re.compile(r"(?:<!-- (?P<marker>[^>]*?) -->\n)?```(?P<lang>[^\n]*)\n(?P<body>.*?)```", re.S)
 W, EPOCHS, N_EVAL = 2, 5, 1001  # the scripts' defaults and the page's commands: 2 ranks, 5 epochs, 1001 held out
 
-
-@dataclass(frozen=True)
-class Block:
-    line: int
-    lang: str
-    body: str
-    kind: str  # the marker's key: file, excerpt, diff, run, not-run, output, output-part ("" if none)
-    arg: str  # what follows its colon
-
-    @property
-    def id(self) -> str:
-        return f"index.md:{self.line}"
-
-
-def page_blocks() -> list[Block]:
-    text = PAGE.read_text()
-    found = []
-    for m in FENCE.finditer(text):
-        kind, _, arg = (m.group("marker") or "").partition(":")
-        found.append(Block(text[:m.start("lang")].count("\n") + 1, m.group("lang").strip(), m.group("body"),
-                           kind.strip(), arg.strip()))
-    return found
-
-
-BLOCKS = page_blocks()
+BLOCKS = page_blocks(PAGE)
 RUNS = [b for b in BLOCKS if b.kind == "run"]
 
 
@@ -80,34 +46,30 @@ def load(path: Path, name: str):
 # --- the page shows the code ---------------------------------------------------------------------
 
 def test_every_block_says_what_it_is():
-    allowed = {"python": {"file", "excerpt"}, "diff": {"diff"}, "bash": {"run", "not-run"},
-               "text": {"output", "output-part"}}
-    wrong = [b.id for b in BLOCKS if b.kind not in allowed.get(b.lang, ())]
-    assert not wrong, f"tag these blocks as the module docstring says: {wrong}"
+    wrong = untagged(BLOCKS)
+    assert not wrong, f"tag these blocks as tests/page_blocks.py says: {wrong}"
     assert len(RUNS) >= 6, "the page lost its commands?"
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "python"], ids=lambda b: b.id)
 def test_code_blocks_are_the_files(block):
-    code = (ROOT / block.arg).read_text()
-    if block.kind == "file":
-        assert block.body == code, f"{block.id} is not {block.arg}: paste the file again"
-    else:  # whole consecutive lines
-        assert ("\n" + block.body) in ("\n" + code), f"{block.id} is not an excerpt of {block.arg}"
+    why = code_mismatch(block)
+    assert why is None, why
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "diff"], ids=lambda b: b.id)
 def test_diffs_are_the_files_diffs(block):
-    a, b = block.arg.split()
-    old, new = ((ROOT / path).read_text().splitlines(keepends=True) for path in (a, b))
-    diff = "".join(difflib.unified_diff(old, new, a, b))
-    assert block.body == diff, f"{block.id}: the diff changed; the page should show:\n{diff}"
+    why = diff_mismatch(block)
+    assert why is None, why
 
 
-def test_every_script_of_the_folder_is_on_the_page():
-    shown = {path for b in BLOCKS if b.lang in ("python", "diff") for path in b.arg.split()}
+def test_every_script_of_the_folder_is_on_one_of_its_pages():
+    """index.md shows its scripts, hugging_face.md the hf_*.py ones (tests/test_hugging_face.py checks that page)."""
+    pages = sorted(HERE.glob("*.md"))
+    shown = {path for page in pages for b in page_blocks(page) if b.lang in ("python", "diff")
+             for path in b.arg.split()}
     scripts = {f"your_model/{p.name}" for p in HERE.glob("*.py")}
-    assert scripts and scripts <= shown, f"not shown on the page: {sorted(scripts - shown)}"
+    assert scripts and scripts <= shown, f"not shown on {[p.name for p in pages]}: {sorted(scripts - shown)}"
 
 
 # --- the page's commands run and print what it shows --------------------------------------------
@@ -133,39 +95,15 @@ def run_of(ran: dict[str, Run], script: str) -> Run:
     return run
 
 
-NUMBER = re.compile(r"-?\d+\.\d+%?")
-
-
-def mismatch(shown: str, printed: str, approx: bool) -> str | None:
-    """Why `printed` is not what the page shows, or None. approx: decimals within another CPU's rounding after
-    a few epochs of float32 training (a loss within 3%, a percentage within 0.5 points); the rest exactly."""
-    if not approx:
-        return None if shown == printed else "differs"
-    a_lines, b_lines = shown.splitlines(), printed.splitlines()
-    if len(a_lines) != len(b_lines):
-        return f"{len(a_lines)} lines shown, {len(b_lines)} printed"
-    for a, b in zip(a_lines, b_lines, strict=True):
-        if NUMBER.sub("#", a) != NUMBER.sub("#", b):
-            return f"{a!r} != {b!r}"
-        for x, y in zip(NUMBER.findall(a), NUMBER.findall(b), strict=True):
-            close = abs(float(x.rstrip("%")) - float(y.rstrip("%"))) <= (
-                0.5 if x.endswith("%") else 0.03 * abs(float(x)) + 1e-3)
-            if not close:
-                return f"{x} shown, {y} printed: {b!r}"
-    return None
-
-
 def test_every_command_on_the_page_runs_and_prints_what_it_shows(ran):
-    previous = None
+    for block in RUNS:
+        run = ran[block.id]
+        assert run.returncode == 0 and not run.survivors, f"{block.id}\n{run.describe()}"
+    for run, shown in shown_outputs(BLOCKS):
+        why = output_mismatch(shown, ran[run.id].stdout)
+        assert why is None, why
     for block in BLOCKS:
-        if block.kind == "run":
-            run = ran[block.id]
-            assert run.returncode == 0 and not run.survivors, f"{block.id}\n{run.describe()}"
-            previous = run
-        elif block.kind == "output":
-            why = mismatch(block.body, previous.stdout, approx=block.arg == "approx")
-            assert why is None, f"{block.id}: {why}\n--- shown ---\n{block.body}--- printed ---\n{previous.stdout}"
-        elif block.kind == "output-part":
+        if block.kind == "output-part":
             printed = run_of(ran, block.arg).stdout
             assert block.body in printed, f"{block.id}: not in what {block.arg} printed:\n{printed}"
 
