@@ -429,10 +429,10 @@ def ensure_writable(directory: Path) -> None:
     tempfile.TemporaryFile(dir=directory).close()
 
 
-# The torch each folder needs: the release that made its APIs public (fully_shard, which 08, 09 and 11 use, and
-# pipelining as 10 uses it: 2.6; register_post_accumulate_grad_hook: 2.1). 08-11 also check it at their top.
+# The torch each folder needs: the release that made its APIs public (fully_shard, which 08, 09, 11 and 12 use, and
+# pipelining as 10 uses it: 2.6; register_post_accumulate_grad_hook: 2.1). 08-12 also check it at their top.
 NEEDS_TORCH = {"08_fsdp": (2, 6), "09_tensor_parallel": (2, 6), "10_pipeline_parallel": (2, 6), "11_gpt": (2, 6),
-               "ddp_by_hand": (2, 1)}
+               "12_context_parallel": (2, 6), "ddp_by_hand": (2, 1)}
 
 
 def check_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:

@@ -483,7 +483,7 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
     if stage == "10_pipeline_parallel":  # alone, a world of 1 has one stage; 65 micro-batches of 64 leave one empty
         table |= {("--pp", "0"): "--pp", ("--pp", "2"): "--pp", ("--microbatches", "0"): "--microbatches",
                   ("--microbatches", "65"): "--microbatches", ("--schedule", "zb"): "--schedule"}
-    if stage == "11_gpt":  # a GPT on a text: its length is --max-steps (no --epochs); the model's shape, the corpus
+    if stage in ("11_gpt", "12_context_parallel"):  # a GPT on a text: --max-steps (no --epochs); its shape, the text
         del table[("--epochs", "-1")]
         table |= {("--max-steps", "0"): "--max-steps", ("--save-every", "0"): "--save-every",
                   ("--snapshot", "{file}"): "--snapshot", ("--snapshot", "{file}/ck"): "--snapshot",
@@ -499,6 +499,9 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
                   ("--sample", "x"): "--sample", ("--clip", "-1"): "--clip", ("--warmup-steps", "0"): "--warmup-steps",
                   ("--decay-steps", "0"): "--decay-steps",
                   ("--warmup-steps", "20", "--max-steps", "10"): "--warmup-steps"}  # a warm-up past the decay's end
+    if stage == "12_context_parallel":  # alone, a world of 1: only --cp 1 divides it
+        table |= {("--cp", "0"): "--cp", ("--cp", "x"): "--cp", ("--cp", "2"): "--cp",
+                  ("--cp-impl", "torch"): "--cp-impl", ("--no-zigzag=1",): "--no-zigzag"}
     return table
 
 
@@ -514,6 +517,11 @@ CONTRACT = {args: flag for args, flag in bad_values("01_single_gpu").items() if 
 TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
     "10_pipeline_parallel/by_hand": bad_values("10_pipeline_parallel"),  # stage 10's flags and checks, by hand
     "ddp_by_hand/naive": {**CONTRACT, ("--timeout", "0"): "--timeout"},
+    "benchmarks/cp_memory": {("--tokens", "12"): "--tokens",  # 12: 8 must divide it (zigzag, cp up to 4)
+                             ("--heads", "0"): "--heads", ("--head-size", "0"): "--head-size",
+                             ("--timeout", "0"): "--timeout", ("--out", "{file}/sub"): "--out"},
+    "benchmarks/cp_balance": {("--tokens", "0"): "--tokens", ("--tokens", "12"): "--tokens",  # 12: 8 must divide it
+                              ("--repeats", "0"): "--repeats", ("--timeout", "0"): "--timeout"},
     "ddp_by_hand/bucketed": {**CONTRACT, ("--timeout", "0"): "--timeout", ("--bucket-mb", "0"): "--bucket-mb",
                              ("--first-bucket-mb", "nan"): "--first-bucket-mb"},
     "ddp_by_hand/overlap": {("--hidden", "0"): "--hidden", ("--layers", "0"): "--layers",
@@ -1078,7 +1086,7 @@ def test_every_flag_of_every_script_has_a_bad_value_case():
 @pytest.mark.parametrize("script,version,refused", [
     ("01_single_gpu", "1.13.1", True), ("07_model_parallel", "2.0.0", False), ("08_fsdp", "2.5.1", True),
     ("09_tensor_parallel", "2.5.1", True), ("09_tensor_parallel", "2.6.0", False),
-    ("10_pipeline_parallel", "2.5.1", True), ("11_gpt", "2.5.1", True),
+    ("10_pipeline_parallel", "2.5.1", True), ("11_gpt", "2.5.1", True), ("12_context_parallel", "2.5.1", True),
     ("ddp_by_hand/bucketed", "2.0.1", True), ("ddp_by_hand/bucketed", "2.1.0", False)])
 def test_a_torch_older_than_the_script_needs_is_refused_in_one_line(script, version, refused, monkeypatch, capsys):
     """Each script needs the torch of NEEDS_TORCH (one table, in the shared block): 08-11 need 2.6 and check it at

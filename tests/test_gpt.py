@@ -231,9 +231,9 @@ class Accepted(Exception):
     """Raised where main() would join a process group: it got past every check of its arguments and files."""
 
 
-def refusal(args: list[str], env: dict[str, str] | None = None) -> tuple[object, str]:
+def refusal(args: list[str], env: dict[str, str] | None = None, stage: str = STAGE) -> tuple[object, str]:
     """(exit code, stderr) of the stage's main(args) in this process, stopped before it would join a group."""
-    module, err = load_stage(STAGE), io.StringIO()
+    module, err = load_stage(stage), io.StringIO()
     with mock.patch.dict(os.environ, {**clean_env(), **(env or {})}, clear=True), contextlib.redirect_stderr(err), \
             contextlib.redirect_stdout(io.StringIO()), mock.patch.object(module, "ddp_setup", side_effect=Accepted):
         try:

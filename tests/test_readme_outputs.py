@@ -128,6 +128,9 @@ SHOWN = [
           'python recipes/sync_batchnorm/train.py --device cpu 2>&1 || echo "exit status $?"'),
     Shown("recipes/sync_batchnorm/README.md", "[recipes/sync_batchnorm] world size 2",
           "python recipes/sync_batchnorm/train.py --batchnorm local --device cpu --batch-size 8 --epochs 2"),
+    Shown("12_context_parallel/README.md", "[12_context_parallel] world size 2 = dp 1 x cp 2",
+          "torchrun --standalone --nproc_per_node=2 12_context_parallel/train.py --cp 2",
+          machine=(r"(?<=^tokens/s )[\d,]+", r"(?<=MFU )[\d.]+(?=%)", r"[\d.]+(?= GFLOP/s)", r"[\d,]+(?= MiB \|)")),
     Shown("recipes/uneven_inputs/README.md", "[recipes/uneven_inputs] world size 2",
           "torchrun --standalone --nproc_per_node=2 recipes/uneven_inputs/train.py --epochs 5 --out runs/uneven"),
     Shown("recipes/uneven_inputs/README.md", "rank 1: [100.1",
@@ -151,7 +154,10 @@ SKIPPED = {  # (README, how the block's first line starts): why it is not compar
         "the default 800-step run (2 minutes, given in the prose); the README's block runs 20 and 10 steps",
     ("11_gpt/README.md", "11_gpt/train.py: error: argument --tp"):
         "the refusals tests/test_gpt.py checks in-process, not a block's output",
-    ("README.md", "01_single_gpu/ … 11_gpt/"): "the repository's layout",
+    ("12_context_parallel/README.md", "positions         0 1"): "a diagram of the two splits",
+    ("12_context_parallel/README.md", "causal attention, forward + backward"):
+        "the output of benchmarks/cp_balance.py at its defaults (given in the prose; about a minute), not of a block",
+    ("README.md", "01_single_gpu/ … 12_context_parallel/"): "the repository's layout",
     ("benchmarks/README.md", "tour: stages 01-09, world size 2, batch 32 per process = 64 global, float32; CPU (gloo)"):
         "the output of `python tour.py --dtype float32` (20 and 60 epochs, given in the prose), not of the block "
         "above it",

@@ -22,7 +22,9 @@ SHARED = ["make_data", "Net", "load_train_objs", "evaluate", "pick_device", "clo
 SHARED_DDP = ["prepare_dataloader", "padding_note", "evaluate_distributed", "replica_max_abs_diff"]
 BOUNDARY = "# ═══ The lesson ends here ═══"
 # Stages with a model and data of their own: the contract above is stage 01's task; theirs is proven by their tests.
-OWN_MODEL = {"11_gpt": "a GPT on text: tests/test_gpt.py checks its DDP, FSDP, tp and resume against each other"}
+OWN_MODEL = {"11_gpt": "a GPT on text: tests/test_gpt.py checks its DDP, FSDP, tp and resume against each other",
+             "12_context_parallel": "11's GPT with cp: tests/test_context_parallel.py checks its layouts against one "
+                                    "process"}
 # Where a stage must differ, and why.
 EXPECTED_DIFFERENCES = {("07_model_parallel", "load_train_objs"): "builds the model split over two devices",
                         ("07_model_parallel", "replica_max_abs_diff"): "gathers parameters from two devices",
@@ -99,7 +101,7 @@ def test_machinery_after_the_boundary_is_the_same_in_every_stage(script):
     assert not [name for name in defined_below if re.search(rf"^(?:def|class) {name}\b", lesson, re.M)]
 
 
-@pytest.mark.parametrize("stage", [stage for stage in STAGES[1:] if stage not in OWN_MODEL])
+@pytest.mark.parametrize("stage", [stage for stage in STAGES[1:] if stage in EXTENDS or stage not in OWN_MODEL])
 def test_each_stage_readme_shows_the_diff_of_its_lesson(stage):
     """The README shows what changed from the stage it extends, as a diff of the two lessons; kept current here."""
     assert stage in EXTENDS, f"{stage}: name the stage it extends in tests/lesson_diffs.py EXTENDS"
@@ -114,7 +116,7 @@ def test_each_stage_readme_shows_the_diff_of_its_lesson(stage):
 PRIVATE_ALLOWED = {
     **{(stage, "torch.distributed.tensor._redistribute"):
        "a logger's name, to quiet a warning about a correct two-step gather: a name, not an API"
-       for stage in ("09_tensor_parallel", "11_gpt")},
+       for stage in ("09_tensor_parallel", "11_gpt", "12_context_parallel")},
     ("recipes/comm_hooks", "torch.utils._python_dispatch"):
         "counts the bytes each hook hands to gloo; CommDebugMode counts calls, not their tensors' bytes",
     ("recipes/comm_hooks", "torch.utils._pytree"): "walks the arguments of what the counter above sees",
@@ -200,6 +202,10 @@ SHARED_SNAPSHOT_CODE = {
     ("08_fsdp", "09_tensor_parallel"): ["load_snapshot", "checkpoints", "MetadataUnpickler", "SnapshotError"],
     # 11 checks its own snapshot's fields (tests/test_gpt.py), with 08's reading, listing and refusing code.
     ("08_fsdp", "11_gpt"): ["checkpoints", "MetadataUnpickler", "SnapshotError", "failed_save", "check_checkpoint_arg"],
+    # 12 is 11 with cp: the same checkpoints (progress.json and all), checked by 11's code.
+    ("11_gpt", "12_context_parallel"): ["checkpoints", "MetadataUnpickler", "SnapshotError", "failed_save",
+                                        "check_checkpoint_arg", "schedule", "Trainer._load_snapshot",
+                                        "Trainer._save_snapshot"],
 }
 
 

@@ -88,3 +88,28 @@ def exit_worker() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+class SentBytes:
+    """Stands in for torch.distributed inside a module being measured (module.dist = SentBytes()): every call passes
+    through, and `sent` counts the bytes this rank hands over: a point-to-point send's tensor, and for an all-gather or
+    a reduce-scatter of W shares the W - 1 shares a ring algorithm sends (gloo's own algorithm may differ)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+        self.dist, self.sent = dist, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.dist, name)
+
+    def batch_isend_irecv(self, ops: list):
+        self.sent += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is self.dist.isend)
+        return self.dist.batch_isend_irecv(ops)
+
+    def all_gather(self, parts: list, x, *args, **kwargs):
+        self.sent += (len(parts) - 1) * x.numel() * x.element_size()
+        return self.dist.all_gather(parts, x, *args, **kwargs)
+
+    def reduce_scatter(self, out, parts: list, *args, **kwargs):
+        self.sent += (len(parts) - 1) * out.numel() * out.element_size()
+        return self.dist.reduce_scatter(out, parts, *args, **kwargs)
