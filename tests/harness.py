@@ -159,13 +159,20 @@ def assert_same_training(run: Run, reference: Run) -> None:
         f"{s['stage']}: epoch replay {replay:.2e}, final |Δw| vs 01 {final:.2e}; tolerance {tol:.1e} ({s['dtype']})"
 
 
+def edited(path: Path, edits: list[tuple[str, str]]) -> str:
+    """`path`'s text with each (old, new) made; AssertionError naming an `old` that is not there exactly once."""
+    text = path.read_text()
+    for old, new in edits:
+        assert text.count(old) == 1, f"{path.relative_to(ROOT)}: expected exactly one {old!r} to replace"
+        text = text.replace(old, new)
+    return text
+
+
 def mutate(stage: str, old: str, new: str, dest: Path) -> Path:
     """Copy a stage's script with one edit (the stages are self-contained, so the copy runs anywhere)."""
-    text = (ROOT / stage / "train.py").read_text()
-    assert text.count(old) == 1, f"{stage}: expected exactly one {old!r} to replace"
     dest.mkdir(parents=True, exist_ok=True)
     path = dest / "train.py"
-    path.write_text(text.replace(old, new))
+    path.write_text(edited(ROOT / stage / "train.py", [(old, new)]))
     return path
 
 

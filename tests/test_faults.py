@@ -89,6 +89,11 @@ GPT_STEPS = 2  # steps in the checkpoint the bad-snapshot cases spoil (one proce
 # Killed and stalled as the stages are: 2 processes under torchrun, a log line every step, told to run far longer.
 GPT_FAULT = Step(GPT_STAGE, "torchrun", (*GPT_TINY, "--batch-size", "2", "--eval-every", "1", "--max-steps",
                                          "1000000"), nproc=2)
+CP_STAGE = "12_context_parallel"
+# Stage 12 as cp 2: every sequence split over the two ranks, whose ring attention waits on the other's keys and
+# values inside every block's forward and backward (P2P on the cp group, not a collective of the world's).
+CP_FAULT = Step(CP_STAGE, "torchrun", (*GPT_FAULT.args, "--cp", "2"), nproc=2)
+GPT_FAULTS = {GPT_STAGE: GPT_FAULT, CP_STAGE: CP_FAULT}  # signalled() after their first step's line
 GPT_FAULT_AFTER = {"after": "| train loss", "longer": ()}  # signalled() after its first step's line
 TIMEOUT = 5  # --timeout in the stall cases: how long the healthy ranks wait for the stalled one
 RENDEZVOUS_TIMEOUT = 10  # how long the lone node's agent waits for the other node
@@ -611,12 +616,14 @@ TYPO = ("--batchsize", "32")  # a misspelt flag: argparse's own error, also rais
 # A stall costs ~40 s (the launcher's SIGTERM grace), so there is one per way of launching: mp.spawn (03),
 # torchrun on one node (04), two nodes (05), one for FSDP (08), whose collectives run inside autograd's hooks, one
 # for the pipeline (10), whose stages wait for each other in send/recv, not in collectives, and the GPT (11), whose
-# DDP or FSDP model and loss all-reduce run in a loop of steps, not epochs.
+# DDP or FSDP model and loss all-reduce run in a loop of steps, not epochs, and the GPT split over cp (12), whose
+# ranks wait for each other's keys and values in the ring's sends and receives on the cp group.
 # 06 and 07 meet a stall as 04 does: the same torchrun agent, and the collective's timeout caught in main() by
 # explain_peer_failure, word for word 04's (test_repo.py's contract test). They differ from 04 only in the store
 # ddp_setup passes (used while joining, before any stall) and in the barrier after a snapshot, one more
 # collective that times out like the others.
-STALL_STAGES = ["03_ddp_spawn", "04_ddp_torchrun", "05_multinode", "08_fsdp", "10_pipeline_parallel", GPT_STAGE]
+STALL_STAGES = ["03_ddp_spawn", "04_ddp_torchrun", "05_multinode", "08_fsdp", "10_pipeline_parallel", GPT_STAGE,
+                CP_STAGE]
 
 
 def cases() -> list[Case]:
@@ -626,23 +633,23 @@ def cases() -> list[Case]:
         # that node's torchrun stop it. (A node whose only worker stalls is never told: see README.md.)
         # 10: dp 2 x pp 2, so the stalled stage's neighbour waits in a send/recv on the pp row's own group, which
         # must wait --timeout as the world's does (init_device_mesh's subgroups would wait 30 minutes).
-        stall = replace(CONFIGS["05"], nproc=2) if stage == "05_multinode" else GPT_FAULT if stage == GPT_STAGE \
-            else replace(CONFIGS["10"], nproc=4) if stage == "10_pipeline_parallel" else None
+        stall = replace(CONFIGS["05"], nproc=2) if stage == "05_multinode" else GPT_FAULTS.get(stage) \
+            or (replace(CONFIGS["10"], nproc=4) if stage == "10_pipeline_parallel" else None)
         # The stalled rank cannot obey SIGTERM: the job ends after the healthy ranks' --timeout and the launcher's
         # whole grace (not less: at_least), then SIGKILL.
         grace = launcher_grace((stall or CONFIGS[stage[:2]]).launcher)
         out.append(Case(f"{stage[:2]}-stalled-rank", stage, "SIGSTOP to rank 1 after its first log line", None,
                         TIMEOUT + grace, f"--timeout {TIMEOUT}s",
                         signalled(stage, signal.SIGSTOP, "--timeout", str(TIMEOUT), step=stall, waits=TIMEOUT + grace,
-                                  **(GPT_FAULT_AFTER if stage == GPT_STAGE else {})), at_least=grace))
+                                  **(GPT_FAULT_AFTER if stage in GPT_FAULTS else {})), at_least=grace))
     out += [Case("05-node-never-joins-static", "05_multinode", "node 0 of 2 started alone (static)", None,
                  RENDEZVOUS_TIMEOUT, "1/2 clients joined", lone_node("static"), at_least=RENDEZVOUS_TIMEOUT),
             Case("05-node-never-joins-c10d", "05_multinode", "node 0 of 2 started alone (c10d)", None,
                  RENDEZVOUS_TIMEOUT, "RendezvousTimeoutError", lone_node("c10d"), at_least=RENDEZVOUS_TIMEOUT)]
-    for stage in [*DDP_STAGES, GPT_STAGE]:  # nothing waits: the healthy ranks see a closed connection at once
+    for stage in [*DDP_STAGES, *GPT_FAULTS]:  # nothing waits: the healthy ranks see a closed connection at once
         out.append(Case(f"{stage[:2]}-killed-rank", stage, "SIGKILL to rank 1 after its first log line", None, 0,
-                        "SIGKILL", signalled(stage, signal.SIGKILL, step=GPT_FAULT if stage == GPT_STAGE else None,
-                                             **(GPT_FAULT_AFTER if stage == GPT_STAGE else {}))))
+                        "SIGKILL", signalled(stage, signal.SIGKILL, step=GPT_FAULTS.get(stage),
+                                             **(GPT_FAULT_AFTER if stage in GPT_FAULTS else {}))))
     # The rest: a fault present at the start, timed from the start (nothing configured to wait: the margin alone).
     after_fault, out = out, []
     out += [Case("03-port-taken", "03_ddp_spawn", "MASTER_PORT held by another process", 2, 0,

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, Run, check, launch_commands
+from harness import ROOT, Run, check, edited, launch_commands
 
 RING = ROOT / "12_context_parallel" / "train.py"  # ring attention is in its lesson
 SYNC_SENDS = ROOT / "tests" / "sync_sends.py"
@@ -120,7 +120,7 @@ def test_planted_bugs_are_caught(launched):
     for report in reports:
         assert [m["name"] for m in report["mutations"]] == [name for name, _, _ in MUTATIONS for _ in (False, True)]
         for m in report["mutations"]:
-            assert "missing" not in m, f"planted bug {m['name']!r}: train.py no longer has {m['missing']!r} (once)"
+            assert "missing" not in m, f"planted bug {m['name']!r}: {m['missing']}"
             assert correct[(m["function"], m["zigzag"])] <= EXACT, f"seed {seed}: the stage fails on these inputs"
             error = max(m["errors"].values())
             assert not error <= WRONG, f"seed {seed}, rank {report['rank']}: {m['name']} (zigzag {m['zigzag']}) " \
@@ -173,13 +173,12 @@ def test_zigzag_balance_is_printed(launched):
 # ─── The worker: one of the 4 processes ───────────────────────────────────────────────────────────────────────────
 
 def load_ring(edits: list[tuple[str, str]] = ()) -> types.ModuleType | str:
-    """The stage's train.py as a fresh module, with `edits` made to its source (a planted bug); or the text it
-    lacks. Its ring attention is written out in its lesson; importing it trains nothing (main() is not called)."""
-    text = RING.read_text()
-    for old, new in edits:
-        if text.count(old) != 1:
-            return old
-        text = text.replace(old, new)
+    """The stage's train.py as a fresh module, with `edits` made to its source (a planted bug); or why an edit could
+    not be made. Its ring attention is written out in its lesson; importing it trains nothing (main() is not called)."""
+    try:
+        text = edited(RING, edits)
+    except AssertionError as e:  # reported by the test that planted it
+        return str(e)
     module = types.ModuleType("ring_variant")
     module.__file__ = str(RING)
     exec(compile(text, str(RING), "exec"), module.__dict__)
