@@ -120,8 +120,8 @@ def run_block(block: Block, copy: Path, env: dict[str, str] | None = None) -> Ru
 
 
 # A block's time limit: LAUNCH_STARTUPS start-ups of a trivial launch (PROBE), timed shortly before the block (so as
-# slow as the machine is then: a timing younger than PROBE_REUSE seconds serves the next blocks too, as a probe costs
-# ~2.6 CPU-s and a block per probe spent ~120 CPU-s of the suite's), for every program the block launches
+# slow as the machine is then; a timing younger than PROBE_REUSE seconds serves the next blocks too: a probe costs
+# ~2.6 CPU-s, and one before every block cost ~120 CPU-s in all), for every program the block launches
 # (launches()). Measured here, with other jobs
 # on the 2 cores (a start-up 2-5 s), per launch: the tour's runs 7.7 start-ups (213 s), a README's stage runs 4-6,
 # the benchmarks' and tools' quick runs 5-13 (ddp_scaling's, 61 s, the most). 40 leaves three times the most, for a

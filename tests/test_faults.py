@@ -93,7 +93,7 @@ CP_STAGE = "12_context_parallel"
 # Stage 12 as cp 2: every sequence split over the two ranks, whose ring attention waits on the other's keys and
 # values inside every block's forward and backward (P2P on the cp group, not a collective of the world's).
 CP_FAULT = Step(CP_STAGE, "torchrun", (*GPT_FAULT.args, "--cp", "2"), nproc=2)
-GPT_FAULTS = {GPT_STAGE: GPT_FAULT, CP_STAGE: CP_FAULT}  # signalled() after their first step's line
+GPT_FAULTS = {GPT_STAGE: GPT_FAULT, CP_STAGE: CP_FAULT}  # the job each GPT stage is killed or stalled in
 GPT_FAULT_AFTER = {"after": "| train loss", "longer": ()}  # signalled() after its first step's line
 TIMEOUT = 5  # --timeout in the stall cases: how long the healthy ranks wait for the stalled one
 RENDEZVOUS_TIMEOUT = 10  # how long the lone node's agent waits for the other node
