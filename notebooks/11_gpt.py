@@ -127,7 +127,7 @@ one = done["1 process, batch 4"]
 fig, ax = plt.subplots(figsize=(9, 3.6))
 for i, (label, r) in enumerate(done.items()):
     s = r.summary
-    gap = max((r.model[k] - one.model[k]).abs().max().item() for k in one.model)
+    gap = nb.max_abs_diff(r.model, one.model)
     print(f"{label:<26} world {s['world_size']}, dp {s['dp']} x tp {s['tp']}, global batch {s['global_batch']}: "
           f"max |Δw| vs 1 process {gap:.1e}, held-out {s['eval_loss']:.6f}")
     assert gap <= nb.ATOL, (label, gap)

@@ -65,7 +65,7 @@ ways = {"1 process": nb.Step("12_context_parallel", "python", TINY),
         "cp 2, ring": nb.Step("12_context_parallel", "torchrun", (*TINY, "--cp", "2"), nproc=2)}
 done = {label: nb.run(step, f"12_cp_{i}", quiet=True) for i, (label, step) in enumerate(ways.items())}
 one, split = done["1 process"], done["cp 2, ring"]
-gap = max((split.model[k] - one.model[k]).abs().max().item() for k in one.model)
+gap = nb.max_abs_diff(split.model, one.model)
 print(f"cp 2 vs 1 process: max |Δw| {gap:.1e}; losses {[round(x, 6) for x in split.summary['losses']]}")
 assert gap <= nb.ATOL, gap
 
