@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -59,6 +60,7 @@ STAGE = "12_context_parallel"
 DATA = Path(__file__).resolve().parent.parent / "11_gpt" / "data" / "input.txt"
 HELD_OUT = 0.1  # the last tenth of the text is never trained on: the held-out loss is measured there
 DTYPES = {"float32": torch.float32, "float64": torch.float64}  # --dtype
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # --pp-schedule (stage 10's)
 
 
 # ─── The data: characters of a real text ───────────────────────────────────────────────────────────────────────────
@@ -166,24 +168,35 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tokens = nn.Embedding(cfg.vocab, cfg.width)  # what each character is
         self.positions = nn.Embedding(cfg.context, cfg.width)  # where it is
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        # A dict by block number, not a list: a pipeline stage (--pp) keeps its blocks under their own numbers, so
+        # that every layout names a weight alike (checkpoints resume on another one).
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
         self.norm = nn.LayerNorm(cfg.width)
         self.head = nn.Linear(cfg.width, cfg.vocab, bias=False)  # a score for every possible next character
+        self.cp: ContextParallel | None = None  # --cp: set by parallelize(); the input then holds this rank's share
         for name, p in self.named_parameters():  # GPT-2's initialisation
             if name.endswith("bias"):
                 nn.init.zeros_(p)
             elif p.dim() == 2:  # the blocks' last layers add to the residual stream: smaller, so that it stays ~1
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.layers) if name.endswith("proj.weight") else 0.02)
 
-    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids [b, t] -> logits [b, t, vocab]: at every position, the scores for the character after it.
-        Under --cp, idx is this rank's share of every sequence and `positions` where in the sequence its tokens are."""
-        if positions is None:
-            positions = torch.arange(idx.shape[1])
-        x = self.tokens(idx) + self.positions(positions.to(idx.device))
-        for block in self.blocks:
+        Under --cp, x is this rank's share of every sequence. Under --pp a stage holds some of the parts only
+        (pipeline_stage): the first embeds, the last predicts, the others take and give the residual stream."""
+        if self.tokens is not None:
+            t = x.shape[1] * (1 if self.cp is None else self.cp.size)  # the whole sequence's length
+            positions = torch.arange(t) if self.cp is None else self.cp.positions(t)  # where this rank's tokens are
+            x = self.tokens(x) + self.positions(positions.to(x.device))
+        for block in self.blocks.values():
             x = block(x)
-        return self.head(self.norm(x))
+        return x if self.head is None else self.head(self.norm(x))
+
+
+def parameters(cfg: Config) -> int:
+    """The whole model's parameters, counted on the meta device (no memory): no rank may hold them all."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(cfg).parameters())
 
 
 # ─── Context parallelism: every sequence split over the cp ranks ──────────────────────────────────────────────────
@@ -423,11 +436,79 @@ class ContextParallel:
         return 2 * self.size if self.zigzag and self.size > 1 else self.size
 
 
+# ─── Pipeline parallelism: the blocks cut into stages ──────────────────────────────────────────────────────────────
+
+# Stage 10's pipelining on the GPT: the pp ranks of a pipeline each hold a run of consecutive blocks, the first also
+# the embeddings, the last also the final norm and the head (so the loss is computed there). A step's rows are cut
+# into --accumulate micro-batches that follow one another through the stages, so that the stages work at once, each
+# on another micro-batch; torch's schedule sends the activations forward and their gradients back (GPipe: every
+# forward, then every backward; 1F1B: a backward as soon as one can start, so a stage holds the activations of at most
+# pp micro-batches). The pp dimension is the outermost of the grid: a stage's ranks are consecutive (one node), and
+# the pipeline's sends, the least traffic of all, are what crosses nodes.
+
+def stage_blocks(layers: int, pp: int, rank: int) -> range:
+    """The blocks stage `rank` of `pp` holds: consecutive, as many on each stage as can be (the first ones one more)."""
+    size, extra = divmod(layers, pp)
+    start = rank * size + min(rank, extra)
+    return range(start, start + size + (rank < extra))
+
+
+def pipeline_stage(model: GPT, pp: int, rank: int) -> GPT:
+    """The model cut down to stage `rank` of `pp`: the other stages' parts removed (None: forward skips them)."""
+    mine = stage_blocks(len(model.blocks), pp, rank)
+    for i in [i for i in model.blocks if int(i) not in mine]:
+        del model.blocks[i]
+    if rank > 0:
+        model.tokens = model.positions = None
+    if rank < pp - 1:
+        model.norm = model.head = None
+    return model
+
+
+def next_char_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The mean loss over the positions of logits [b, t, vocab], given the next characters y [b, t]."""
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+class Pipeline:
+    """This rank's place in its pipeline. pp = 1 (no group) holds the whole model: the code then runs as without."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.size = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        self.first, self.last = self.rank == 0, self.rank == self.size - 1
+
+    @torch.no_grad()
+    def forward(self, model: nn.Module, idx: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The logits for token ids idx [b, t] without a backward (evaluation, sampling): the whole batch through
+        the stages one after another (micro-batches would only add steps: there is no backward to overlap with).
+        The logits on the last stage, None on the others. Every stage is given idx: the shape of what it receives."""
+        if self.size == 1:
+            return model(idx)
+        x = idx
+        if not self.first:
+            x = torch.empty(*idx.shape, width, dtype=dtype, device=idx.device)
+            dist.recv(x, group=self.group, group_src=self.rank - 1)
+        out = model(x)
+        if self.last:
+            return out
+        dist.send(out.to(dtype).contiguous(), group=self.group, group_dst=self.rank + 1)  # (--amp: bf16 to dtype)
+        return None
+
+    def from_last(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the last stage holds it, on every stage of the pipeline (in place)."""
+        if self.size > 1:
+            dist.broadcast(x, group=self.group, group_src=self.size - 1)
+        return x
+
+
 def load_train_objs(args: argparse.Namespace, corpus: Corpus, device: torch.device, mesh: DeviceMesh,
-                    cp: ContextParallel):
+                    cp: ContextParallel, pipe: Pipeline):
     cfg = Config(len(corpus.chars), args.context, args.layers, args.heads, args.width)
     torch.manual_seed(args.seed)  # every rank draws the same initial weights (in float32, then cast)
-    model = parallelize(GPT(cfg).to(device, DTYPES[args.dtype]), mesh, cp, args)
+    # --pp: every rank draws the whole model's, as one process does, and keeps its stage's part.
+    model = parallelize(pipeline_stage(GPT(cfg), pipe.size, pipe.rank).to(device, DTYPES[args.dtype]), mesh, cp, args)
     # AdamW, as transformers are trained; created after parallelize, so that it holds this rank's pieces. Weight
     # decay pulls the matrices towards zero; not the biases and norms (a scale and a shift, nothing to regularise),
     # nor the embeddings (a character's row only learns when it appears: decay would erase the rare ones).
@@ -450,13 +531,14 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
     return args.lr / 10 + (args.lr - args.lr / 10) * 0.5 * (1 + math.cos(math.pi * done))
 
 
-def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
+def clip_gradients(model: nn.Module, max_norm: float, pipe: Pipeline) -> torch.Tensor:
     """Scale the gradients down so that their norm, over the whole model, is at most max_norm (0: never); return
     the norm before. One rare large gradient then cannot undo many steps. The norm is of the whole gradient, as one
     process would compute it, however it is split: DDP's gradients are whole on every rank (already averaged), but
     a DTensor's (FSDP2's shards, tp's slices) is this rank's piece, and its norm a collective over the piece's mesh:
     DTensor sums the pieces' squares there (an all-reduce, inside get_total_norm). The embeddings and norms lie on
-    the dp mesh, tp's layers on dp x tp: one norm per mesh (torch's clip_grad_norm_ refuses a mix), then the total."""
+    the dp mesh, tp's layers on dp x tp: one norm per mesh (torch's clip_grad_norm_ refuses a mix), then the total,
+    over the stages of the pipeline (--pp: each holds the gradient of its blocks only)."""
     by_mesh: dict = {}
     for p in model.parameters():
         if p.grad is not None:
@@ -465,7 +547,10 @@ def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
     for params in by_mesh.values():  # the same meshes in the same order on every rank (the model's order)
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)  # (already whole: a copy)
-    total = torch.stack(squares).sum().sqrt()
+    total = torch.stack(squares).sum()
+    if pipe.size > 1:
+        dist.all_reduce(total, group=pipe.group)
+    total = total.sqrt()
     if max_norm > 0:
         for params in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
@@ -474,21 +559,22 @@ def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
 
 # ─── What the stages taught: who holds and computes what ───────────────────────────────────────────────────────────
 
-def make_mesh(device: torch.device, shape: tuple[int, int], names: tuple[str, str], timeout: float) -> DeviceMesh:
-    """Stage 09's grid: shape[0] rows of shape[1] ranks (rank r in row r // shape[1]: consecutive ranks, one node),
-    a process group for each column (names[0]) and each row (names[1]), every one waiting --timeout like the world's:
-    init_device_mesh would give them the backend's default, 30 minutes, so a stalled rank would hang the job."""
+def make_mesh(device: torch.device, shape: tuple[int, ...], names: tuple[str, ...], timeout: float) -> DeviceMesh:
+    """Stage 09's grid, in as many dimensions as `shape` (the last one's ranks consecutive: one node), and along each
+    dimension a process group for every line of ranks that differ in that coordinate alone, every one waiting
+    --timeout like the world's: init_device_mesh would give them the backend's default, 30 minutes, so a stalled rank
+    would hang the job."""
     grid = torch.arange(dist.get_world_size()).reshape(shape)
     wait = timedelta(seconds=timeout)
-    columns, _ = dist.new_subgroups_by_enumeration(grid.T.tolist(), timeout=wait)  # every rank makes every group
-    rows, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=wait)
+    groups = [dist.new_subgroups_by_enumeration(grid.movedim(d, -1).reshape(-1, n).tolist(), timeout=wait)[0]
+              for d, n in enumerate(shape)]  # every rank makes every group, in the same order
     # On the training device explicitly: the default is cuda wherever a GPU is visible (pytorch#132471).
-    return DeviceMesh.from_group([columns, rows], device.type, mesh=grid, mesh_dim_names=names)
+    return DeviceMesh.from_group(groups, device.type, mesh=grid, mesh_dim_names=names)
 
 
 def make_cp_group(cp: int, tp: int, timeout: float) -> dist.ProcessGroup | None:
-    """The cp ranks that split the same sequences: consecutive rows of the (dp x cp, tp) grid, the same tp column.
-    Rank r is (dp row, cp rank, tp rank) = r // (cp tp), r // tp % cp, r % tp."""
+    """The cp ranks that split the same sequences: consecutive rows of a stage's (dp x cp, tp) grid, the same tp
+    column. Rank r is (pp stage and dp row, cp rank, tp rank) = r // (cp tp), r // tp % cp, r % tp."""
     if cp == 1:
         return None
     grid = torch.arange(dist.get_world_size()).reshape(-1, cp, tp)
@@ -511,33 +597,41 @@ def parallelize(model: GPT, mesh: DeviceMesh, cp: ContextParallel, args: argpars
     then DDP or FSDP2 over dp x cp: every cp rank holds the whole model (or a shard of it, as a dp rank does) and
     computes a gradient of its own tokens' loss; averaged over dp x cp, that is the gradient of the global batch."""
     if cp.size > 1:
-        for block in model.blocks:
+        model.cp = cp  # (for the positions its tokens are at)
+        for block in model.blocks.values():
             block.attn.cp = cp
     if args.tp > 1:  # every rank built the same weights (the same seed): each keeps its slice, no broadcast
-        for block in model.blocks:
+        for block in model.blocks.values():
             parallelize_module(block, mesh["tp"], TP_PLAN)
         # Gathering a weight split over tp and sharded over dp takes two all-gathers: torch warns, on every rank.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     if args.compile:  # each block compiled on its own, in place (the parameters keep their names)
-        for block in model.blocks:
+        for block in model.blocks.values():
             block.compile()
     if args.parallel == "fsdp":  # stage 08: each block a unit, gathered whole only while it computes
         # --amp bf16: the shards stay float32 (the optimizer's), gathered as bfloat16 (half the bytes) for the
         # forward and backward; the gradients are reduce-scattered in float32, so the average rounds as without it.
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.amp == "bf16" \
             else MixedPrecisionPolicy()
-        for block in model.blocks:
+        for block in model.blocks.values():
             fully_shard(block, mesh=mesh["dp_cp"], mp_policy=mp)
         return fully_shard(model, mesh=mesh["dp_cp"], mp_policy=mp)  # the rest (embeddings, norm, head): the root
     # Stages 03-06: a replica per rank; the constructor broadcasts rank 0's weights, backward averages gradients.
-    return DDP(model, device_ids=[model.head.weight.device] if model.head.weight.is_cuda else None,
-               process_group=mesh.get_group("dp_cp"))
+    device = next(model.parameters()).device
+    return DDP(model, device_ids=[device] if device.type == "cuda" else None, process_group=mesh.get_group("dp_cp"))
 
 
-def full_model(model: nn.Module, cfg: Config) -> GPT | None:
+def full_model(model: nn.Module, cfg: Config, pipe: Pipeline) -> GPT | None:
     """The whole model as a plain GPT on rank 0's CPU, None on the other ranks (every rank calls this): the pieces
-    are sent unit by unit and only rank 0 keeps them (full_state_dict with cpu_offload), as when saving one file."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    are sent unit by unit and only rank 0 keeps them (full_state_dict with cpu_offload), as when saving one file.
+    --pp: each stage's ranks gather its part so, and the stages send theirs to the first stage."""
+    if pipe.size == 1:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:  # (cpu_offload keeps the state on global rank 0 only, which holds the first stage alone)
+        part = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        parts = [{} for _ in range(pipe.size)] if pipe.first else None
+        dist.gather_object({k: v.cpu() for k, v in part.items()}, parts, group=pipe.group, group_dst=0)
+        state = {k: v for part in parts for k, v in part.items()} if pipe.first else {}
     if dist.get_rank() != 0:
         return None
     with torch.device("meta"):  # no memory and no random draws: the weights come from `state`
@@ -550,6 +644,9 @@ def full_model(model: nn.Module, cfg: Config) -> GPT | None:
 
 PROGRESS = "progress.json"  # beside the shards: steps done, losses, and the settings the checkpoint was made with
 CHECKPOINT = re.compile(r"step_(\d{6,})")  # a complete checkpoint; "step_NNNNNN.tmp" is one being written
+# AdamW's settings saved per parameter name, not per group of this rank's parameters: a pipeline stage's groups hold
+# its blocks only, and a checkpoint of one layout must resume on another.
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def checkpoints(directory: Path) -> list[Path]:
@@ -560,10 +657,17 @@ def checkpoints(directory: Path) -> list[Path]:
 
 class Trainer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, corpus: Corpus, cfg: Config,
-                 args: argparse.Namespace, mesh: DeviceMesh, cp: ContextParallel, device: torch.device,
-                 snapshot: dict | None) -> None:
+                 args: argparse.Namespace, mesh: DeviceMesh, cp: ContextParallel, pipe: Pipeline,
+                 device: torch.device, snapshot: dict | None) -> None:
         self.model, self.optimizer, self.corpus, self.cfg, self.args = model, optimizer, corpus, cfg, args
-        self.mesh, self.cp, self.device = mesh, cp, device
+        self.mesh, self.cp, self.pipe, self.device = mesh, cp, pipe, device
+        self.schedule = None
+        if pipe.size > 1:  # --pp: runs a step's micro-batches through the stages, forward and backward
+            stage = PipelineStage(model, pipe.rank, pipe.size, device, group=pipe.group)
+            # Each micro-batch's loss is its mean; divided by their number (scale_grads), the gradients are of the
+            # step's mean, as --accumulate's loss / len(micro) computes them without --pp.
+            self.schedule = SCHEDULES[args.pp_schedule](stage, n_microbatches=args.accumulate,
+                                                        loss_fn=next_char_loss, scale_grads=True)
         # The dp x cp ranks of a tp column: dp rows of cp ranks, each row the same windows, each rank its share.
         self.dp_rank, self.dp = mesh.get_local_rank("dp_cp") // cp.size, mesh["dp_cp"].size() // cp.size
         self.master_process = dist.get_rank() == 0  # rank 0 alone logs and writes the progress file
@@ -584,16 +688,17 @@ class Trainer:
     def _load_snapshot(self, snapshot: dict) -> None:
         # Stage 08's: dcp.load fills this run's pieces (on any number of ranks, any layout) from whichever files hold
         # them. No random state to restore: the data of step s depends on --seed and s alone.
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)  # also makes AdamW's (zero) state
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=FLAT)  # (AdamW's zeros)
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=snapshot["path"])
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=FLAT)
         self.steps, self.losses, self.curve = snapshot["steps"], list(snapshot["losses"]), list(snapshot["curve"])
         self.grad_norms = list(snapshot["grad_norms"])
 
     def _save_snapshot(self) -> None:
         # Every rank writes its own pieces (dcp.save), rank 0 the metadata; then an atomic rename, as in stage 08.
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=FLAT)
         final = self.args.snapshot / f"step_{self.steps:06d}"
         tmp = final.with_name(final.name + ".tmp")
         try:
@@ -623,38 +728,51 @@ class Trainer:
         x, y = batch_of_windows(self.corpus.train, self.cfg.context, self.global_batch, self.args.seed, self.steps)
         # This dp rank's rows: r, r + dp, ... (the tp ranks of a row take the same ones: they compute one forward
         # together), cut into --accumulate micro-batches. W ranks of batch b see the windows one process of W*b sees.
-        # Of each window, this cp rank's share of the positions (its cp group's ranks take the rest).
+        # Of each window, this cp rank's share of the positions (its cp group's ranks take the rest). The stages of a
+        # pipeline (--pp) take the same rows: each computes its blocks' part of them.
         mine = slice(self.dp_rank, None, self.dp)
-        x, y, positions = self.cp.share(x[mine]), self.cp.share(y[mine]), self.cp.positions(self.cfg.context)
-        micro = list(zip(x.split(self.args.batch_size), y.split(self.args.batch_size), strict=True))
+        x, y = self.cp.share(x[mine]).to(self.device), self.cp.share(y[mine]).to(self.device)
         total = torch.zeros((), device=self.device, dtype=torch.float64)
-        for i, (xb, yb) in enumerate(micro):
-            with self.syncing(last=i == len(micro) - 1):
-                # --amp bf16: the forward's matmuls in bfloat16, the weights and the loss in float32 (recipes/).
-                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.amp == "bf16"):
-                    logits = self.model(xb.to(self.device), positions)
-                    # The mean over this rank's tokens: every cp rank holds as many, so the mean of the cp ranks'
-                    # losses is the windows' loss, and the average of their gradients (DDP's, FSDP2's) its gradient.
-                    loss = F.cross_entropy(logits.flatten(0, 1), yb.to(self.device).flatten())
-                # Sync point (the last micro-batch): DDP all-reduces the gradients; FSDP2 reduce-scatters each unit's.
-                (loss / len(micro)).backward()
-            total += loss.detach()
-        norm = clip_gradients(self.model, self.args.clip)  # a collective under FSDP2 and tp
+        # --amp bf16: the forward's matmuls in bfloat16, the weights and the loss in float32 (recipes/).
+        amp = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.amp == "bf16")
+        if self.schedule is not None:  # the first stage is given the inputs, the last the targets, and the losses
+            losses: list[torch.Tensor] = []
+            with amp:  # (the sync points are the schedule's, the last backward's as below)
+                self.schedule.step(*([x] if self.pipe.first else []), target=y if self.pipe.last else None,
+                                   losses=losses if self.pipe.last else None)
+            if self.pipe.last:
+                total += torch.stack(losses).detach().sum()
+        else:
+            micro = list(zip(x.split(self.args.batch_size), y.split(self.args.batch_size), strict=True))
+            for i, (xb, yb) in enumerate(micro):
+                with self.syncing(last=i == len(micro) - 1):
+                    with amp:
+                        # The mean over this rank's tokens: every cp rank holds as many, so the mean of the cp ranks'
+                        # losses is the windows' loss, and the average of their gradients (DDP's, FSDP2's) its
+                        # gradient.
+                        loss = next_char_loss(self.model(xb), yb)
+                    # Sync point (the last micro-batch): DDP all-reduces the gradients; FSDP2 reduce-scatters each
+                    # unit's.
+                    (loss / len(micro)).backward()
+                total += loss.detach()
+        norm = clip_gradients(self.model, self.args.clip, self.pipe)  # a collective under FSDP2, tp and pp
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(self.steps, self.args)
         self.optimizer.step()  # on this rank's pieces: no communication
         self.optimizer.zero_grad(set_to_none=True)
-        return torch.stack([total / len(micro), norm.to(total.dtype)])  # the step's loss and gradient norm
+        return torch.stack([total / self.args.accumulate, norm.to(total.dtype)])  # the step's loss, gradient norm
 
     @torch.no_grad()
     def estimate_held_out(self) -> float:
         """The loss on the fixed held-out windows (16 x --context characters): a point of the curve."""
         self.model.eval()
         x, y = (self.cp.share(t).to(self.device) for t in self.curve_windows)  # every cp group: the same windows
-        logits = self.model(x, self.cp.positions(self.cfg.context)).flatten(0, 1).double()
-        loss = F.cross_entropy(logits, y.flatten(), reduction="sum")
+        logits = self.pipe.forward(self.model, x, self.cfg.width, DTYPES[self.args.dtype])  # None but on the last
+        loss = torch.zeros((), dtype=torch.float64, device=self.device) if logits is None else \
+            F.cross_entropy(logits.flatten(0, 1).double(), y.flatten(), reduction="sum")
         if self.cp.size > 1:  # each cp rank scored its share of the positions
             dist.all_reduce(loss, group=self.cp.group)
+        self.pipe.from_last(loss)
         loss = loss.item() / y.numel() / self.cp.size
         if not isinstance(self.model, DDP):  # FSDP2 keeps the root unit gathered after a forward, for the backward
             self.model.reshard()  # that follows in training; none follows here
@@ -699,6 +817,7 @@ class Trainer:
         over the dp x cp ranks is the global batch's (the tp ranks of a row hold the same), one all_reduce for all."""
         losses, norms = torch.stack(self.pending).T.contiguous()  # (a collective needs contiguous memory)
         dist.all_reduce(losses, group=self.mesh.get_group("dp_cp"))
+        self.pipe.from_last(losses)  # --pp: the last stage computed them
         self.losses += (losses / (self.dp * self.cp.size)).tolist()
         self.grad_norms += norms.tolist()  # the same on every rank: the whole gradient's
         self.pending = []
@@ -706,7 +825,7 @@ class Trainer:
     def record(self) -> None:
         """--out: keep the whole state (gathered: every rank calls this), for the tests to compare runs step by step."""
         if self.args.out is not None:
-            self.trajectory.append(state_at(self.model, self.optimizer, self.steps))
+            self.trajectory.append(state_at(self.model, self.optimizer, self.steps, self.pipe))
 
 
 def padded(window: torch.Tensor, multiple: int, fill: int) -> torch.Tensor:
@@ -716,14 +835,15 @@ def padded(window: torch.Tensor, multiple: int, fill: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def held_out_loss(model: nn.Module, tokens: torch.Tensor, context: int, mesh: DeviceMesh, cp: ContextParallel,
-                  device: torch.device) -> tuple[float, int]:
+def held_out_loss(model: nn.Module, tokens: torch.Tensor, cfg: Config, mesh: DeviceMesh, cp: ContextParallel,
+                  pipe: Pipeline, device: torch.device, dtype: torch.dtype) -> tuple[float, int]:
     """Sum of the losses on every held-out character but the first, in windows of `context`, with the model as it
     trains (sharded, split: no rank holds it whole). The dp rows share the windows (row r scores r, r+dp, ...: each
     once; a row's tp ranks score the same ones together, its cp ranks each their share of the positions); every rank
     runs as many batches (FSDP's forward is a collective: each unit all-gathers), some maybe empty; one all_reduce
-    over dp x cp adds the sums."""
+    over dp x cp adds the sums (--pp: the last stage's, then sent to the other stages)."""
     model.eval()
+    context = cfg.context
     dp_rank, dp = mesh.get_local_rank("dp_cp") // cp.size, mesh["dp_cp"].size() // cp.size
     starts = torch.arange(0, len(tokens) - 1, context)
     whole, tail = starts[starts + context + 1 <= len(tokens)], starts[starts + context + 1 > len(tokens)]
@@ -731,38 +851,44 @@ def held_out_loss(model: nn.Module, tokens: torch.Tensor, context: int, mesh: De
     for chunk in whole[dp_rank::dp].tensor_split(-(-len(whole) // (dp * 32))):  # batches of up to 32 windows
         windows = tokens[chunk[:, None] + torch.arange(context + 1)]
         x, y = cp.share(windows[:, :-1]).to(device), cp.share(windows[:, 1:]).to(device)
-        logits = model(x, cp.positions(context)).double()
-        totals += torch.tensor([F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item(),
-                                y.numel()], dtype=torch.float64, device=device)
+        logits = pipe.forward(model, x, cfg.width, dtype)
+        if logits is not None:
+            totals += torch.tensor([F.cross_entropy(logits.flatten(0, 1).double(), y.flatten(), reduction="sum")
+                                    .item(), y.numel()], dtype=torch.float64, device=device)
     for start in tail.tolist():  # the text's last window is shorter: every rank computes it, dp row 0 counts it
         window = tokens[start:][None]
         x, y = padded(window[:, :-1], cp.multiple(), 0), padded(window[:, 1:], cp.multiple(), -100)  # -100: ignored
         x, y = cp.share(x).to(device), cp.share(y).to(device)
-        logits = model(x, cp.positions(cp.size * x.shape[1])).double()
-        if dp_rank == 0:
-            totals += torch.tensor([F.cross_entropy(logits[0], y[0], reduction="sum").item(),
+        logits = pipe.forward(model, x, cfg.width, dtype)
+        if dp_rank == 0 and logits is not None:
+            totals += torch.tensor([F.cross_entropy(logits[0].double(), y[0], reduction="sum").item(),
                                     (y != -100).sum().item()], dtype=torch.float64, device=device)
     if hasattr(model, "reshard"):  # FSDP2 keeps the root unit gathered after a forward, for a backward: none follows
         model.reshard()
     model.train()
     dist.all_reduce(totals, group=mesh.get_group("dp_cp"))
+    pipe.from_last(totals)
     return totals[0].item(), int(totals[1].item())
 
 
 @torch.no_grad()
-def sample(model: nn.Module, chars: str, length: int, context: int, seed: int, cp: ContextParallel,
-           device: torch.device, temperature: float = 0.8) -> str:
+def sample(model: nn.Module, chars: str, length: int, cfg: Config, seed: int, cp: ContextParallel, pipe: Pipeline,
+           device: torch.device, dtype: torch.dtype, temperature: float = 0.8) -> str:
     """`length` characters, each drawn from the model's prediction given those before it (its last `context`).
     Every rank runs it with the model as it trains (its forward is a collective): the same seed, the same logits
-    (every rank computes them whole, or, under --cp, gathers them from its cp group), so the same characters."""
+    (every rank computes them whole, or, under --cp, gathers them from its cp group; under --pp, the last stage sends
+    them to the others), so the same characters."""
     model.eval()
+    context = cfg.context
     g = torch.Generator().manual_seed(seed)
     idx = torch.tensor([[chars.find("\n") if "\n" in chars else 0]])  # start as a line starts
     for _ in range(length):
         n = idx[:, -context:].shape[1]
         x = padded(idx[:, -context:], cp.multiple(), 0)  # cp splits a multiple of cp.multiple() positions
-        logits = model(cp.share(x).to(device), cp.positions(x.shape[1]))
-        logits = cp.gather(logits, x.shape[1])[0, n - 1].double().cpu()
+        logits = pipe.forward(model, cp.share(x).to(device), cfg.width, dtype)
+        row = torch.empty(len(chars), dtype=torch.float64, device=device) if logits is None else \
+            cp.gather(logits, x.shape[1])[0, n - 1].double()
+        logits = pipe.from_last(row).cpu()
         next_char = torch.multinomial((logits / temperature).softmax(-1), 1, generator=g)
         idx = torch.cat([idx, next_char[None]], dim=1)
     if hasattr(model, "reshard"):
@@ -817,7 +943,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-zigzag", action="store_true",
                    help="give each cp rank one contiguous piece of the sequence (the later pieces then do more of "
                         "the causal attention's work) instead of chunks r and 2cp-1-r")
-    p.add_argument("--accumulate", type=positive(int), default=1, help="micro-batches of --batch-size per step")
+    p.add_argument("--pp", type=positive(int), default=1,
+                   help="pipeline-parallel degree: processes that split the blocks into stages, one after another "
+                        "(--layers at least pp; --accumulate micro-batches go through them)")
+    p.add_argument("--pp-schedule", choices=list(SCHEDULES), default="1f1b",
+                   help="the order of the micro-batches' forwards and backwards on a stage (stage 10)")
+    p.add_argument("--accumulate", type=positive(int), default=1,
+                   help="micro-batches of --batch-size per step (under --pp, the pipeline's micro-batches)")
     p.add_argument("--amp", choices=["bf16"], help="autocast the forward to bfloat16 (the weights stay float32)")
     p.add_argument("--compile", action="store_true", help="torch.compile every block")
     p.add_argument("--data", type=Path, default=DATA, help="a UTF-8 text to learn (default: tiny Shakespeare)")
@@ -872,11 +1004,11 @@ def ddp_setup(ddp: bool, device: torch.device, timeout: float) -> None:
 
 
 def train(rank: int, world_size: int, device: torch.device, args: argparse.Namespace, mesh: DeviceMesh,
-          cp: ContextParallel, snapshot: dict | None) -> None:
+          cp: ContextParallel, pipe: Pipeline, snapshot: dict | None) -> None:
     master_process = rank == 0
     corpus = load_corpus(args.data)
-    cfg, model, optimizer = load_train_objs(args, corpus, device, mesh, cp)
-    trainer = Trainer(model, optimizer, corpus, cfg, args, mesh, cp, device, snapshot)
+    cfg, model, optimizer = load_train_objs(args, corpus, device, mesh, cp, pipe)
+    trainer = Trainer(model, optimizer, corpus, cfg, args, mesh, cp, pipe, device, snapshot)
     dp = trainer.dp
     floor = baselines(corpus)
     if master_process:
@@ -885,14 +1017,16 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
                                         f"--amp {args.amp}" if args.amp else "", "--compile" if args.compile else ""]
                             if o)
         how = f" ({args.cp_impl}{', zigzag' if cp.zigzag else ', contiguous'})" if cp.size > 1 else ""
-        print(f"[{STAGE}] world size {world_size} = dp {dp} x cp {cp.size}{how} x tp {args.tp} | {args.parallel} | "
+        stages = f"pp {pipe.size} ({args.pp_schedule}, {args.accumulate} micro-batches) x " if pipe.size > 1 else ""
+        print(f"[{STAGE}] world size {world_size} = dp {dp} x {stages}cp {cp.size}{how} x tp {args.tp} | "
+              f"{args.parallel} | "
               f"backend "
               f"{dist.get_backend()} | device {device.type}{fallback} | {args.dtype}" + (f" | {options}" if options
                                                                                         else ""))
         print(f"data: {args.data.name}, {len(corpus.train) + len(corpus.held_out):,} characters ({len(corpus.chars)} "
               f"distinct): {len(corpus.train):,} to train on, the last {len(corpus.held_out):,} held out")
         print(f"model: {cfg.layers} blocks, {cfg.heads} heads, width {cfg.width}, context {cfg.context}: "
-              f"{sum(p.numel() for p in model.parameters()):,} parameters | batch {args.batch_size} x "
+              f"{parameters(cfg):,} parameters | batch {args.batch_size} x "
               f"{args.accumulate} windows per dp rank, {trainer.global_batch} global = "
               f"{trainer.global_batch * cfg.context:,} tokens a step | {args.max_steps} steps"
               + (f" | {cfg.context // cp.size} positions of each window per cp rank" if cp.size > 1 else ""))
@@ -908,12 +1042,17 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
     trainer.train(args.max_steps)
     seconds = clock(device) - start
 
-    loss_sum, count = held_out_loss(model, corpus.held_out, cfg.context, mesh, cp, device)
+    dtype = DTYPES[args.dtype]
+    loss_sum, count = held_out_loss(model, corpus.held_out, cfg, mesh, cp, pipe, device, dtype)
     # DDP's replicas must agree; FSDP has none to compare (each rank holds other shards): no gather of the model.
     max_diff = replica_max_abs_diff(model, mesh.get_group("dp_cp")) if args.parallel == "ddp" else None
+    if max_diff is not None and pipe.size > 1:  # the worst stage's, on every stage: they stop below together
+        worst = torch.tensor(max_diff, device=device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=pipe.group)
+        max_diff = worst.item()
     memory = peak_memory(model, optimizer, device)  # every rank's, gathered (below the line)
     peak = machine_peak(device, args)  # the FLOP/s the MFU is of: measured on a CPU, every rank at once (below)
-    text = sample(model, corpus.chars, args.sample, cfg.context, args.seed, cp, device) if args.sample else ""
+    text = sample(model, corpus.chars, args.sample, cfg, args.seed, cp, pipe, device, dtype) if args.sample else ""
     if master_process:
         loss = loss_sum / count
         print(f"held-out loss {loss:.4f} nats/char over {count:,} characters | bigram {floor['bigram']:.3f}, "
@@ -925,7 +1064,7 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         if text:
             print(f"sample ({args.sample} characters, temperature 0.8):\n{text}")
     if args.out is not None:  # model.pt: the whole model, gathered once at the end, onto rank 0's CPU only
-        full = full_model(model, cfg)
+        full = full_model(model, cfg, pipe)
         if master_process:
             write_run(args, trainer, full, floor, (loss, count), seconds, speed, memory, max_diff, text)
     if max_diff:  # every rank of a dp group computed the same max_diff (all_gather), so they stop here together
@@ -940,7 +1079,7 @@ def main(argv: list[str] | None = None) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device("cuda", local_rank) if pick_device(args.device).type == "cuda" else torch.device("cpu")
     try:  # check the checkpoint before joining the group: a bad one is one line and exit 2 on every rank
-        snapshot = None if args.snapshot is None else load_snapshot(args, world_size // (args.tp * args.cp))
+        snapshot = None if args.snapshot is None else load_snapshot(args, world_size // (args.pp * args.tp * args.cp))
     except SnapshotError as e:
         print(f"{STAGE}/train.py: error: argument --snapshot: {e}", file=sys.stderr)
         sys.exit(2)
@@ -949,10 +1088,13 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(stale)
     ddp_setup(ddp, device, args.timeout)
     try:
-        # The grid (dp x cp, tp): DDP or FSDP2 over its columns, tp over its rows; the cp groups within a column.
-        mesh = make_mesh(device, (world_size // args.tp, args.tp), ("dp_cp", "tp"), args.timeout)
+        # The grid (pp, dp x cp, tp): a stage of the pipeline is a (dp x cp, tp) grid of consecutive ranks, DDP or
+        # FSDP2 over its columns, tp over its rows, the cp groups within a column; the pipelines run across the stages.
+        mesh = make_mesh(device, (args.pp, world_size // (args.pp * args.tp), args.tp), ("pp", "dp_cp", "tp"),
+                         args.timeout)
         cp = ContextParallel(make_cp_group(args.cp, args.tp, args.timeout), args.cp_impl, zigzag=not args.no_zigzag)
-        train(rank, world_size, device, args, mesh, cp, snapshot)
+        pipe = Pipeline(mesh.get_group("pp") if args.pp > 1 else None)
+        train(rank, world_size, device, args, mesh, cp, pipe, snapshot)
     except RuntimeError as e:  # gloo raises a peer's death or stall here, as a timeout or a closed connection
         if (hint := explain_peer_failure(e, args.timeout)) is not None:
             print(f"[{STAGE}] rank {rank}: {hint}", file=sys.stderr)
@@ -1144,6 +1286,19 @@ def check_gpt_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Name
     if world_size % (args.cp * args.tp):
         p.error(f"argument --cp: {args.cp} x --tp {args.tp} does not divide the world size {world_size} (the mesh is "
                 f"dp x cp x tp processes); use a cp that divides {world_size // args.tp}")
+    if world_size % (args.pp * args.cp * args.tp):
+        p.error(f"argument --pp: {args.pp} x --cp {args.cp} x --tp {args.tp} does not divide the world size "
+                f"{world_size} (the mesh is dp x pp x cp x tp processes); use a pp that divides "
+                f"{world_size // (args.cp * args.tp)}")
+    if args.pp > 1 and args.parallel != "fsdp":
+        p.error("argument --pp: pipelining is combined with FSDP2 over dp here (DDP's reducer fails an internal "
+                "assert when a schedule runs several backwards a step, torch 2.13); add --parallel fsdp")
+    if args.pp > args.layers:
+        p.error(f"argument --pp: {args.pp} stages need at least {args.pp} blocks (each stage holds whole blocks), "
+                f"not --layers {args.layers}; use --pp {args.layers} or fewer")
+    if args.pp > 1 and args.pp_schedule == "1f1b" and args.accumulate < args.pp:
+        p.error(f"argument --accumulate: 1F1B needs at least one micro-batch per stage, {args.pp}, not "
+                f"{args.accumulate}; use --accumulate {args.pp} or more (or --pp-schedule gpipe)")
     multiple, why = (args.cp, "cp") if args.no_zigzag else (2 * args.cp, "2 x cp: zigzag cuts it into 2 cp chunks")
     if args.cp > 1 and args.context % multiple:
         p.error(f"argument --context: {args.context} is not a multiple of {multiple} ({why}); use --context "
@@ -1266,15 +1421,21 @@ def failed_save(error: Exception, tmp: Path, directory: Path) -> OSError:
     return OSError(f"writing the checkpoint {tmp} failed ({causes}; {free} bytes free on that disk); {kept}")
 
 
-def state_at(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict:
+def state_at(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, pipe: Pipeline) -> dict:
     """Weights and AdamW's two moments after `step` steps, whole, on the CPU, by parameter name (state_of above is
-    for SGD's momentum). DTensors (FSDP2's shards, tp's slices) are all-gathered: every rank calls this."""
+    for SGD's momentum). DTensors (FSDP2's shards, tp's slices) are all-gathered, and the stages' parts (--pp)
+    exchanged: every rank calls this."""
     def whole(t: torch.Tensor) -> torch.Tensor:
         return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
     named = [(name.removeprefix("module."), p) for name, p in model.named_parameters()]
     moments = {key: {n: whole(optimizer.state[p][key]) for n, p in named if p in optimizer.state}
                for key in ("exp_avg", "exp_avg_sq")}
-    return {"step": step, "params": {n: whole(p) for n, p in named}, **moments}
+    state = {"params": {n: whole(p) for n, p in named}, **moments}
+    if pipe.size > 1:
+        parts: list[dict] = [{} for _ in range(pipe.size)]
+        dist.all_gather_object(parts, state, group=pipe.group)
+        state = {key: {n: t for part in parts for n, t in part[key].items()} for key in state}
+    return {"step": step, **state}
 
 
 def peak_memory(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict:
