@@ -286,6 +286,9 @@ def full_model(model: nn.Module, cfg: Config) -> GPT | None:
 
 PROGRESS = "progress.json"  # beside the shards: steps done, losses, and the settings the checkpoint was made with
 CHECKPOINT = re.compile(r"step_(\d{6,})")  # a complete checkpoint; "step_NNNNNN.tmp" is one being written
+# AdamW's state and settings saved under each parameter's name, not per param group: a checkpoint then names every
+# value alike whichever parameters a rank's groups hold (stage 12's pipeline stages hold some blocks only).
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def checkpoints(directory: Path) -> list[Path]:
@@ -318,16 +321,17 @@ class Trainer:
     def _load_snapshot(self, snapshot: dict) -> None:
         # Stage 08's: dcp.load fills this run's pieces (on any number of ranks, any layout) from whichever files hold
         # them. No random state to restore: the data of step s depends on --seed and s alone.
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)  # also makes AdamW's (zero) state
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=FLAT)  # (AdamW's zeros)
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=snapshot["path"])
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=FLAT)
         self.steps, self.losses, self.curve = snapshot["steps"], list(snapshot["losses"]), list(snapshot["curve"])
         self.grad_norms = list(snapshot["grad_norms"])
 
     def _save_snapshot(self) -> None:
         # Every rank writes its own pieces (dcp.save), rank 0 the metadata; then an atomic rename, as in stage 08.
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=FLAT)
         final = self.args.snapshot / f"step_{self.steps:06d}"
         tmp = final.with_name(final.name + ".tmp")
         try:

@@ -7,12 +7,15 @@ others'. Here the keys and values travel round a ring of the cp ranks, one block
 the block it holds (ring attention); the partial results merge exactly with the online softmax; the backward goes
 round the ring again. The zigzag split gives every rank the same share of a causal mask's work. The rest is stage
 11's: DDP or FSDP2 over dp x cp (every cp rank holds a replica or a shard, and a gradient of its own tokens), tensor
-parallelism (--tp), accumulation, checkpoints that resume on any layout.
+parallelism (--tp), accumulation, checkpoints that resume on any layout; and stage 10's pipelining (--pp), the
+blocks cut into stages, so that the GPT runs on all four dimensions at once: dp x pp x cp x tp.
 
     torchrun --standalone --nproc_per_node=2 12_context_parallel/train.py --cp 2 --max-steps 100
     torchrun --standalone --nproc_per_node=4 12_context_parallel/train.py --cp 2 --parallel fsdp --max-steps 20
     torchrun --standalone --nproc_per_node=4 12_context_parallel/train.py --cp 4 --context 2048 --batch-size 2 \
         --max-steps 4 --eval-every 4 --sample 0    # windows of 2,048 characters, 512 on each process
+    torchrun --standalone --nproc_per_node=8 12_context_parallel/train.py --pp 2 --cp 2 --tp 2 --parallel fsdp \
+        --accumulate 2 --max-steps 20    # 2 pipeline stages, each 2 cp x 2 tp processes
 """
 from __future__ import annotations
 
@@ -644,8 +647,8 @@ def full_model(model: nn.Module, cfg: Config, pipe: Pipeline) -> GPT | None:
 
 PROGRESS = "progress.json"  # beside the shards: steps done, losses, and the settings the checkpoint was made with
 CHECKPOINT = re.compile(r"step_(\d{6,})")  # a complete checkpoint; "step_NNNNNN.tmp" is one being written
-# AdamW's settings saved per parameter name, not per group of this rank's parameters: a pipeline stage's groups hold
-# its blocks only, and a checkpoint of one layout must resume on another.
+# AdamW's state and settings saved under each parameter's name, not per param group: a checkpoint then names every
+# value alike whichever parameters a rank's groups hold (stage 12's pipeline stages hold some blocks only).
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -1017,7 +1020,8 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
                                         f"--amp {args.amp}" if args.amp else "", "--compile" if args.compile else ""]
                             if o)
         how = f" ({args.cp_impl}{', zigzag' if cp.zigzag else ', contiguous'})" if cp.size > 1 else ""
-        stages = f"pp {pipe.size} ({args.pp_schedule}, {args.accumulate} micro-batches) x " if pipe.size > 1 else ""
+        stages = f"pp {pipe.size} ({args.pp_schedule}, {args.accumulate} micro-batch" \
+            f"{'es' if args.accumulate > 1 else ''}) x " if pipe.size > 1 else ""
         print(f"[{STAGE}] world size {world_size} = dp {dp} x {stages}cp {cp.size}{how} x tp {args.tp} | "
               f"{args.parallel} | "
               f"backend "
@@ -1537,7 +1541,8 @@ def write_run(args: argparse.Namespace, trainer: Trainer, model: GPT, floor: dic
     summary = {
         "stage": STAGE, "world_size": dist.get_world_size(), "backend": dist.get_backend(),
         "device": trainer.device.type, "dtype": args.dtype, "parallel": args.parallel, "dp": trainer.dp,
-        "tp": args.tp, "cp": args.cp, "cp_impl": args.cp_impl, "zigzag": not args.no_zigzag,
+        "tp": args.tp, "pp": args.pp, "pp_schedule": args.pp_schedule, "cp": args.cp, "cp_impl": args.cp_impl,
+        "zigzag": not args.no_zigzag,
         "accumulate": args.accumulate, "amp": args.amp, "compile": args.compile,
         "batch_size": args.batch_size, "global_batch": trainer.global_batch, "max_steps": args.max_steps,
         **schedule(args), "clip": args.clip, "seed": args.seed, "model": model.cfg._asdict(),

@@ -506,7 +506,8 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
                   ("--warmup-steps", "20", "--max-steps", "10"): "--warmup-steps"}  # a warm-up past the decay's end
     if stage == "12_context_parallel":  # alone, a world of 1: only --cp 1 divides it
         table |= {("--cp", "0"): "--cp", ("--cp", "x"): "--cp", ("--cp", "2"): "--cp",
-                  ("--cp-impl", "torch"): "--cp-impl", ("--no-zigzag=1",): "--no-zigzag"}
+                  ("--cp-impl", "torch"): "--cp-impl", ("--no-zigzag=1",): "--no-zigzag",
+                  ("--pp", "0"): "--pp", ("--pp", "2"): "--pp", ("--pp-schedule", "zb"): "--pp-schedule"}
     return table
 
 

@@ -68,6 +68,8 @@ class Shown:
 BF16 = 0.01
 TOUR_TIMES = (r"\d+\.\d+(?=\s+\d+\.\d+$)", r"\d+\.\d+$")  # the table's last two columns: train s, wall s
 
+# What a GPT run's summary lines measure of the machine: tokens/s, the MFU and the peak it is of, the peak memory.
+GPT_MACHINE = (r"(?<=^tokens/s )[\d,]+", r"(?<=MFU )[\d.]+(?=%)", r"[\d.]+(?= GFLOP/s)", r"[\d,]+(?= MiB \|)")
 SHOWN = [
     Shown("01_single_gpu/README.md", "[01_single_gpu] device cpu",
           "python 01_single_gpu/train.py --device cpu --epochs 5"),
@@ -130,7 +132,10 @@ SHOWN = [
           "python recipes/sync_batchnorm/train.py --batchnorm local --device cpu --batch-size 8 --epochs 2"),
     Shown("12_context_parallel/README.md", "[12_context_parallel] world size 2 = dp 1 x cp 2",
           "torchrun --standalone --nproc_per_node=2 12_context_parallel/train.py --cp 2",
-          machine=(r"(?<=^tokens/s )[\d,]+", r"(?<=MFU )[\d.]+(?=%)", r"[\d.]+(?= GFLOP/s)", r"[\d,]+(?= MiB \|)")),
+          machine=GPT_MACHINE),
+    Shown("12_context_parallel/README.md", "[12_context_parallel] world size 4 = dp 1 x pp 2",
+          "torchrun --standalone --nproc_per_node=4 12_context_parallel/train.py --pp 2 --cp 2",
+          machine=GPT_MACHINE),
     Shown("recipes/uneven_inputs/README.md", "[recipes/uneven_inputs] world size 2",
           "torchrun --standalone --nproc_per_node=2 recipes/uneven_inputs/train.py --epochs 5 --out runs/uneven"),
     Shown("recipes/uneven_inputs/README.md", "rank 1: [100.1",
