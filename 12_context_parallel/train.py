@@ -740,7 +740,7 @@ class Trainer:
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.amp == "bf16")
         if self.schedule is not None:  # the first stage is given the inputs, the last the targets, and the losses
             losses: list[torch.Tensor] = []
-            with amp:  # (the sync points are the schedule's, the last backward's as below)
+            with amp:  # sync points: the stages' sends and receives; FSDP2's reduce-scatter after the last backward
                 self.schedule.step(*([x] if self.pipe.first else []), target=y if self.pipe.last else None,
                                    losses=losses if self.pipe.last else None)
             if self.pipe.last:
@@ -750,12 +750,10 @@ class Trainer:
             for i, (xb, yb) in enumerate(micro):
                 with self.syncing(last=i == len(micro) - 1):
                     with amp:
-                        # The mean over this rank's tokens: every cp rank holds as many, so the mean of the cp ranks'
-                        # losses is the windows' loss, and the average of their gradients (DDP's, FSDP2's) its
-                        # gradient.
+                        # The mean over this rank's tokens: each cp rank holds as many, so the cp ranks' mean loss is
+                        # the windows' loss, and their averaged gradient (DDP's, FSDP2's) the windows' gradient.
                         loss = next_char_loss(self.model(xb), yb)
-                    # Sync point (the last micro-batch): DDP all-reduces the gradients; FSDP2 reduce-scatters each
-                    # unit's.
+                    # Sync point (the last micro-batch): DDP all-reduces the gradients, FSDP2 reduce-scatters them.
                     (loss / len(micro)).backward()
                 total += loss.detach()
         norm = clip_gradients(self.model, self.args.clip, self.pipe)  # a collective under FSDP2, tp and pp
@@ -1050,10 +1048,6 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
     loss_sum, count = held_out_loss(model, corpus.held_out, cfg, mesh, cp, pipe, device, dtype)
     # DDP's replicas must agree; FSDP has none to compare (each rank holds other shards): no gather of the model.
     max_diff = replica_max_abs_diff(model, mesh.get_group("dp_cp")) if args.parallel == "ddp" else None
-    if max_diff is not None and pipe.size > 1:  # the worst stage's, on every stage: they stop below together
-        worst = torch.tensor(max_diff, device=device)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=pipe.group)
-        max_diff = worst.item()
     memory = peak_memory(model, optimizer, device)  # every rank's, gathered (below the line)
     peak = machine_peak(device, args)  # the FLOP/s the MFU is of: measured on a CPU, every rank at once (below)
     text = sample(model, corpus.chars, args.sample, cfg, args.seed, cp, pipe, device, dtype) if args.sample else ""
