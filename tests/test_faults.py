@@ -94,6 +94,10 @@ CP_STAGE = "12_context_parallel"
 # values inside every block's forward and backward (P2P on the cp group, not a collective of the world's).
 CP_FAULT = Step(CP_STAGE, "torchrun", (*GPT_FAULT.args, "--cp", "2"), nproc=2)
 GPT_FAULTS = {GPT_STAGE: GPT_FAULT, CP_STAGE: CP_FAULT}  # the job each GPT stage is killed or stalled in
+# Stage 12 as pp 2 alone, stalled apart from cp: rank 1 is the second pipeline stage, and rank 0's one wait on it is
+# a receive on the pp group (make_mesh's; with cp too, the cp group's timeout would end the job first).
+PP_FAULT = Step(CP_STAGE, "torchrun", (*GPT_FAULT.args, "--layers", "2", "--pp", "2", "--parallel", "fsdp",
+                                       "--accumulate", "2"), nproc=2)
 GPT_FAULT_AFTER = {"after": "| train loss", "longer": ()}  # signalled() after its first step's line
 TIMEOUT = 5  # --timeout in the stall cases: how long the healthy ranks wait for the stalled one
 RENDEZVOUS_TIMEOUT = 10  # how long the lone node's agent waits for the other node
@@ -244,14 +248,16 @@ def started_with(stage: str, *args: str, env: dict[str, str] | None = None) -> C
 
 
 def signalled(stage: str, signum: int, *args: str, step: Step | None = None, waits: float = 0.0,
-              after: str = "epoch 1/", longer: tuple[str, ...] = ("--epochs", "200")) -> Callable[[Place], Outcome]:
+              after: str = "epoch 1/", longer: tuple[str, ...] = ("--epochs", "200"),
+              tag: str = "") -> Callable[[Place], Outcome]:
     """`signum` sent to rank 1 once the job has printed `after` (the first epoch's line), the job told to run far
-    longer (`longer`). `waits`: what the case configured after the fault, for the job's time limit."""
+    longer (`longer`). `waits`: what the case configured after the fault, for the job's time limit. `tag`: told
+    apart from the stage's other case with this signal (its run's directory)."""
     def go(place: Place) -> Outcome:
         base = with_args(step or CONFIGS[stage[:2]], *longer)
         limit = place.pace.limit(waits)
         fault = Fault(signum, rank=1, after=after, limit=limit)
-        out = place.tmp / f"{stage}-{signal.Signals(signum).name}"
+        out = place.tmp / f"{stage}-{signal.Signals(signum).name}{tag}"
         run = launch(with_args(base, *args), out, timeout=limit, during=fault)
         return Outcome(run, fault.seconds_to_end(run))
     return go
@@ -618,7 +624,8 @@ TYPO = ("--batchsize", "32")  # a misspelt flag: argparse's own error, also rais
 # torchrun on one node (04), two nodes (05), one for FSDP (08), whose collectives run inside autograd's hooks, one
 # for the pipeline (10), whose stages wait for each other in send/recv, not in collectives, and the GPT (11), whose
 # DDP or FSDP model and loss all-reduce run in a loop of steps, not epochs, and the GPT split over cp (12), whose
-# ranks wait for each other's keys and values in the ring's sends and receives on the cp group.
+# ranks wait for each other's keys and values in the ring's sends and receives on the cp group; and 12 again with two
+# pipeline stages (12-stalled-stage), which wait on each other in the schedule's sends and receives on the pp group.
 # 06 and 07 meet a stall as 04 does: the same torchrun agent, and the collective's timeout caught in main() by
 # explain_peer_failure, word for word 04's (test_repo.py's contract test). They differ from 04 only in the store
 # ddp_setup passes (used while joining, before any stall) and in the barrier after a snapshot, one more
@@ -647,6 +654,11 @@ def cases() -> list[Case]:
                  RENDEZVOUS_TIMEOUT, "1/2 clients joined", lone_node("static"), at_least=RENDEZVOUS_TIMEOUT),
             Case("05-node-never-joins-c10d", "05_multinode", "node 0 of 2 started alone (c10d)", None,
                  RENDEZVOUS_TIMEOUT, "RendezvousTimeoutError", lone_node("c10d"), at_least=RENDEZVOUS_TIMEOUT)]
+    grace = launcher_grace(PP_FAULT.launcher)
+    out.append(Case("12-stalled-stage", CP_STAGE, "SIGSTOP to pipeline stage 1 after its first log line", None,
+                    TIMEOUT + grace, f"--timeout {TIMEOUT}s",
+                    signalled(CP_STAGE, signal.SIGSTOP, "--timeout", str(TIMEOUT), step=PP_FAULT, waits=TIMEOUT + grace,
+                              tag="-pp", **GPT_FAULT_AFTER), at_least=grace))
     for stage in [*DDP_STAGES, *GPT_FAULTS]:  # nothing waits: the healthy ranks see a closed connection at once
         out.append(Case(f"{stage[:2]}-killed-rank", stage, "SIGKILL to rank 1 after its first log line", None, 0,
                         "SIGKILL", signalled(stage, signal.SIGKILL, step=GPT_FAULTS.get(stage),
