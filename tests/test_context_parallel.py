@@ -169,7 +169,8 @@ def test_a_gradient_norm_of_one_stage_is_caught(runs):
 
 
 def test_bad_combinations_are_one_line_and_exit_2():
-    """What must divide what (cp x tp the world, 2 cp the context), compile with cp; and the controls accepted."""
+    """What must divide what (pp x cp x tp the world, 2 cp the context; pp at most the blocks and, under 1F1B, the
+    micro-batches), compile with cp, pp without FSDP2; and the controls accepted."""
     cases = [
         (["--cp", "3"], {"WORLD_SIZE": "4"}, "--cp: 3 x --tp 1 does not divide the world size 4"),
         (["--cp", "2", "--tp", "2", "--parallel", "fsdp"], {"WORLD_SIZE": "2"},
