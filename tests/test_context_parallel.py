@@ -88,6 +88,16 @@ def runs(tmp_path_factory) -> dict[str, Run]:
                                                                                  strict=True)}
 
 
+def equals_one_process(run: Run, one: Run, steps: list[int], layout: str) -> None:
+    """The states both runs recorded (at `steps`), every step's loss and gradient norm, the held-out loss (the last,
+    shorter window padded) and the sample: one process's. (For a run that trained to one's last step.)"""
+    worst, shared = compare(run, one)
+    worst = max(worst, abs(run.summary["eval_loss"] - one.summary["eval_loss"]))
+    assert shared == steps and worst <= TOL, f"{layout} vs one process (seed {SEED}): {worst:.2e}"
+    assert (run.summary["eval_count"], run.summary["sample"]) == (one.summary["eval_count"], one.summary["sample"]), \
+        f"{layout} (seed {SEED})"
+
+
 def test_two_cp_ranks_are_one_process(runs):
     """dp 1 x cp 2: each rank holds half of every window (zigzag), DDP averages over the two; every recorded state,
     loss and gradient norm, the held-out loss (its last, shorter window padded) and the sample equal one process's."""
@@ -95,10 +105,7 @@ def test_two_cp_ranks_are_one_process(runs):
     s = run.summary
     assert (s["world_size"], s["dp"], s["cp"], s["cp_impl"], s["zigzag"]) == (2, 1, 2, "ring", True), s
     assert "world size 2 = dp 1 x cp 2 (ring, zigzag) x tp 1" in run.stdout, run.stdout
-    worst, shared = compare(run, one)
-    worst = max(worst, abs(s["eval_loss"] - one.summary["eval_loss"]))
-    assert shared == [0, 4, 8] and worst <= TOL, f"cp 2 vs one process (seed {SEED}): {worst:.2e}"
-    assert s["eval_count"] == one.summary["eval_count"] and s["sample"] == one.summary["sample"], SEED
+    equals_one_process(run, one, [0, 4, 8], "cp 2")
 
 
 def test_dp_and_cp_sharded_then_tp_and_cp_resumed_are_one_process(runs):
@@ -137,10 +144,7 @@ def test_two_pipeline_stages_are_one_process(runs):
     s = run.summary
     assert (s["world_size"], s["dp"], s["pp"], s["pp_schedule"], s["accumulate"]) == (2, 1, 2, "1f1b", 4), s
     assert "world size 2 = dp 1 x pp 2 (1f1b, 4 micro-batches) x cp 1 x tp 1" in run.stdout, run.stdout
-    worst, shared = compare(run, one)
-    worst = max(worst, abs(s["eval_loss"] - one.summary["eval_loss"]))
-    assert shared == [0, 4, 8] and worst <= TOL, f"pp 2 vs one process (seed {SEED}): {worst:.2e}"
-    assert s["eval_count"] == one.summary["eval_count"] and s["sample"] == one.summary["sample"], SEED
+    equals_one_process(run, one, [0, 4, 8], "pp 2")
 
 
 def test_dp_and_pp_then_all_four_resumed_are_one_process(runs):
@@ -155,10 +159,7 @@ def test_dp_and_pp_then_all_four_resumed_are_one_process(runs):
     assert (s["world_size"], s["dp"], s["pp"], s["tp"], s["cp"], s["resumed_at"]) == (16, 2, 2, 2, 2, 4), s
     assert "world size 16 = dp 2 x pp 2 (1f1b, 2 micro-batches) x cp 2 (ring, zigzag) x tp 2" in full.stdout
     assert "(written by 4 ranks) at step 4" in full.stdout, full.stdout
-    worst, shared = compare(full, one)
-    worst = max(worst, abs(s["eval_loss"] - one.summary["eval_loss"]))
-    assert shared == [4, 8] and worst <= TOL, f"dp x pp x cp x tp vs one process (seed {SEED}): {worst:.2e}"
-    assert s["sample"] == one.summary["sample"], SEED
+    equals_one_process(full, one, [4, 8], "dp 2 x pp 2 x cp 2 x tp 2")
 
 
 def test_a_gradient_norm_of_one_stage_is_caught(runs):
