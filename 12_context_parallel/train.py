@@ -1021,10 +1021,8 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         stages = f"pp {pipe.size} ({args.pp_schedule}, {args.accumulate} micro-batch" \
             f"{'es' if args.accumulate > 1 else ''}) x " if pipe.size > 1 else ""
         print(f"[{STAGE}] world size {world_size} = dp {dp} x {stages}cp {cp.size}{how} x tp {args.tp} | "
-              f"{args.parallel} | "
-              f"backend "
-              f"{dist.get_backend()} | device {device.type}{fallback} | {args.dtype}" + (f" | {options}" if options
-                                                                                        else ""))
+              f"{args.parallel} | backend {dist.get_backend()} | device {device.type}{fallback} | {args.dtype}"
+              + (f" | {options}" if options else ""))
         print(f"data: {args.data.name}, {len(corpus.train) + len(corpus.held_out):,} characters ({len(corpus.chars)} "
               f"distinct): {len(corpus.train):,} to train on, the last {len(corpus.held_out):,} held out")
         print(f"model: {cfg.layers} blocks, {cfg.heads} heads, width {cfg.width}, context {cfg.context}: "
