@@ -655,9 +655,10 @@ def cases() -> list[Case]:
             Case("05-node-never-joins-c10d", "05_multinode", "node 0 of 2 started alone (c10d)", None,
                  RENDEZVOUS_TIMEOUT, "RendezvousTimeoutError", lone_node("c10d"), at_least=RENDEZVOUS_TIMEOUT)]
     grace = launcher_grace(PP_FAULT.launcher)
+    # 20 s, not 5: --timeout also bounds the start-up's store waits, and this grid's groups took longer under load.
     out.append(Case("12-stalled-stage", CP_STAGE, "SIGSTOP to pipeline stage 1 after its first log line", None,
-                    TIMEOUT + grace, f"--timeout {TIMEOUT}s",
-                    signalled(CP_STAGE, signal.SIGSTOP, "--timeout", str(TIMEOUT), step=PP_FAULT, waits=TIMEOUT + grace,
+                    20 + grace, "--timeout 20s",
+                    signalled(CP_STAGE, signal.SIGSTOP, "--timeout", "20", step=PP_FAULT, waits=20 + grace,
                               tag="-pp", **GPT_FAULT_AFTER), at_least=grace))
     for stage in [*DDP_STAGES, *GPT_FAULTS]:  # nothing waits: the healthy ranks see a closed connection at once
         out.append(Case(f"{stage[:2]}-killed-rank", stage, "SIGKILL to rank 1 after its first log line", None, 0,
