@@ -476,14 +476,14 @@ def next_char_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 class Pipeline:
     """This rank's place in its pipeline. pp = 1 (no group) holds the whole model: the code then runs as without."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup | None, width: int, dtype: torch.dtype) -> None:
+        self.group, self.width, self.dtype = group, width, dtype  # what passes between stages: [b, t, width], dtype
         self.size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
         self.first, self.last = self.rank == 0, self.rank == self.size - 1
 
     @torch.no_grad()
-    def forward(self, model: nn.Module, idx: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor | None:
+    def forward(self, model: nn.Module, idx: torch.Tensor) -> torch.Tensor | None:
         """The logits for token ids idx [b, t] without a backward (evaluation, sampling): the whole batch through
         the stages one after another (micro-batches would only add steps: there is no backward to overlap with).
         The logits on the last stage, None on the others. Every stage is given idx: the shape of what it receives."""
@@ -491,12 +491,12 @@ class Pipeline:
             return model(idx)
         x = idx
         if not self.first:
-            x = torch.empty(*idx.shape, width, dtype=dtype, device=idx.device)
+            x = torch.empty(*idx.shape, self.width, dtype=self.dtype, device=idx.device)
             dist.recv(x, group=self.group, group_src=self.rank - 1)
         out = model(x)
         if self.last:
             return out
-        dist.send(out.to(dtype).contiguous(), group=self.group, group_dst=self.rank + 1)  # (--amp: bf16 to dtype)
+        dist.send(out.to(self.dtype).contiguous(), group=self.group, group_dst=self.rank + 1)  # (--amp: from bf16)
         return None
 
     def from_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -768,7 +768,7 @@ class Trainer:
         """The loss on the fixed held-out windows (16 x --context characters): a point of the curve."""
         self.model.eval()
         x, y = (self.cp.share(t).to(self.device) for t in self.curve_windows)  # every cp group: the same windows
-        logits = self.pipe.forward(self.model, x, self.cfg.width, DTYPES[self.args.dtype])  # None but on the last
+        logits = self.pipe.forward(self.model, x)  # None but on the last stage
         loss = torch.zeros((), dtype=torch.float64, device=self.device) if logits is None else \
             F.cross_entropy(logits.flatten(0, 1).double(), y.flatten(), reduction="sum")
         if self.cp.size > 1:  # each cp rank scored its share of the positions
@@ -836,15 +836,14 @@ def padded(window: torch.Tensor, multiple: int, fill: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def held_out_loss(model: nn.Module, tokens: torch.Tensor, cfg: Config, mesh: DeviceMesh, cp: ContextParallel,
-                  pipe: Pipeline, device: torch.device, dtype: torch.dtype) -> tuple[float, int]:
+def held_out_loss(model: nn.Module, tokens: torch.Tensor, context: int, mesh: DeviceMesh, cp: ContextParallel,
+                  pipe: Pipeline, device: torch.device) -> tuple[float, int]:
     """Sum of the losses on every held-out character but the first, in windows of `context`, with the model as it
     trains (sharded, split: no rank holds it whole). The dp rows share the windows (row r scores r, r+dp, ...: each
     once; a row's tp ranks score the same ones together, its cp ranks each their share of the positions); every rank
     runs as many batches (FSDP's forward is a collective: each unit all-gathers), some maybe empty; one all_reduce
     over dp x cp adds the sums (--pp: the last stage's, then sent to the other stages)."""
     model.eval()
-    context = cfg.context
     dp_rank, dp = mesh.get_local_rank("dp_cp") // cp.size, mesh["dp_cp"].size() // cp.size
     starts = torch.arange(0, len(tokens) - 1, context)
     whole, tail = starts[starts + context + 1 <= len(tokens)], starts[starts + context + 1 > len(tokens)]
@@ -852,7 +851,7 @@ def held_out_loss(model: nn.Module, tokens: torch.Tensor, cfg: Config, mesh: Dev
     for chunk in whole[dp_rank::dp].tensor_split(-(-len(whole) // (dp * 32))):  # batches of up to 32 windows
         windows = tokens[chunk[:, None] + torch.arange(context + 1)]
         x, y = cp.share(windows[:, :-1]).to(device), cp.share(windows[:, 1:]).to(device)
-        logits = pipe.forward(model, x, cfg.width, dtype)
+        logits = pipe.forward(model, x)
         if logits is not None:
             totals += torch.tensor([F.cross_entropy(logits.flatten(0, 1).double(), y.flatten(), reduction="sum")
                                     .item(), y.numel()], dtype=torch.float64, device=device)
@@ -860,7 +859,7 @@ def held_out_loss(model: nn.Module, tokens: torch.Tensor, cfg: Config, mesh: Dev
         window = tokens[start:][None]
         x, y = padded(window[:, :-1], cp.multiple(), 0), padded(window[:, 1:], cp.multiple(), -100)  # -100: ignored
         x, y = cp.share(x).to(device), cp.share(y).to(device)
-        logits = pipe.forward(model, x, cfg.width, dtype)
+        logits = pipe.forward(model, x)
         if dp_rank == 0 and logits is not None:
             totals += torch.tensor([F.cross_entropy(logits[0].double(), y[0], reduction="sum").item(),
                                     (y != -100).sum().item()], dtype=torch.float64, device=device)
@@ -873,20 +872,19 @@ def held_out_loss(model: nn.Module, tokens: torch.Tensor, cfg: Config, mesh: Dev
 
 
 @torch.no_grad()
-def sample(model: nn.Module, chars: str, length: int, cfg: Config, seed: int, cp: ContextParallel, pipe: Pipeline,
-           device: torch.device, dtype: torch.dtype, temperature: float = 0.8) -> str:
+def sample(model: nn.Module, chars: str, length: int, context: int, seed: int, cp: ContextParallel, pipe: Pipeline,
+           device: torch.device, temperature: float = 0.8) -> str:
     """`length` characters, each drawn from the model's prediction given those before it (its last `context`).
     Every rank runs it with the model as it trains (its forward is a collective): the same seed, the same logits
     (every rank computes them whole, or, under --cp, gathers them from its cp group; under --pp, the last stage sends
     them to the others), so the same characters."""
     model.eval()
-    context = cfg.context
     g = torch.Generator().manual_seed(seed)
     idx = torch.tensor([[chars.find("\n") if "\n" in chars else 0]])  # start as a line starts
     for _ in range(length):
         n = idx[:, -context:].shape[1]
         x = padded(idx[:, -context:], cp.multiple(), 0)  # cp splits a multiple of cp.multiple() positions
-        logits = pipe.forward(model, cp.share(x).to(device), cfg.width, dtype)
+        logits = pipe.forward(model, cp.share(x).to(device))
         row = torch.empty(len(chars), dtype=torch.float64, device=device) if logits is None else \
             cp.gather(logits, x.shape[1])[0, n - 1].double()
         logits = pipe.from_last(row).cpu()
@@ -1042,13 +1040,12 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
     trainer.train(args.max_steps)
     seconds = clock(device) - start
 
-    dtype = DTYPES[args.dtype]
-    loss_sum, count = held_out_loss(model, corpus.held_out, cfg, mesh, cp, pipe, device, dtype)
+    loss_sum, count = held_out_loss(model, corpus.held_out, cfg.context, mesh, cp, pipe, device)
     # DDP's replicas must agree; FSDP has none to compare (each rank holds other shards): no gather of the model.
     max_diff = replica_max_abs_diff(model, mesh.get_group("dp_cp")) if args.parallel == "ddp" else None
     memory = peak_memory(model, optimizer, device)  # every rank's, gathered (below the line)
     peak = machine_peak(device, args)  # the FLOP/s the MFU is of: measured on a CPU, every rank at once (below)
-    text = sample(model, corpus.chars, args.sample, cfg, args.seed, cp, pipe, device, dtype) if args.sample else ""
+    text = sample(model, corpus.chars, args.sample, cfg.context, args.seed, cp, pipe, device) if args.sample else ""
     if master_process:
         loss = loss_sum / count
         print(f"held-out loss {loss:.4f} nats/char over {count:,} characters | bigram {floor['bigram']:.3f}, "
@@ -1089,7 +1086,7 @@ def main(argv: list[str] | None = None) -> None:
         mesh = make_mesh(device, (args.pp, world_size // (args.pp * args.tp), args.tp), ("pp", "dp_cp", "tp"),
                          args.timeout)
         cp = ContextParallel(make_cp_group(args.cp, args.tp, args.timeout), args.cp_impl, zigzag=not args.no_zigzag)
-        pipe = Pipeline(mesh.get_group("pp") if args.pp > 1 else None)
+        pipe = Pipeline(mesh.get_group("pp") if args.pp > 1 else None, args.width, DTYPES[args.dtype])
         train(rank, world_size, device, args, mesh, cp, pipe, snapshot)
     except RuntimeError as e:  # gloo raises a peer's death or stall here, as a timeout or a closed connection
         if (hint := explain_peer_failure(e, args.timeout)) is not None:
