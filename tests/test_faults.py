@@ -100,6 +100,9 @@ PP_FAULT = Step(CP_STAGE, "torchrun", (*GPT_FAULT.args, "--layers", "2", "--pp",
                                        "--accumulate", "2"), nproc=2)
 GPT_FAULT_AFTER = {"after": "| train loss", "longer": ()}  # signalled() after its first step's line
 TIMEOUT = 5  # --timeout in the stall cases: how long the healthy ranks wait for the stalled one
+# 12-stalled-stage's: --timeout also bounds the start-up's store waits, and the (pp, dp x cp, tp) grid's groups once
+# took longer than 5 s to make under CI's load (1 of 3 runs).
+PP_TIMEOUT = 20
 RENDEZVOUS_TIMEOUT = 10  # how long the lone node's agent waits for the other node
 # The margin, in start-ups of a trivial launch (PROBE) timed among the cases, the slowest of them: what a case does
 # besides the waits it configured. Measured here (2 cores shared with other jobs, a start-up 10-18 s among the
@@ -634,6 +637,15 @@ STALL_STAGES = ["03_ddp_spawn", "04_ddp_torchrun", "05_multinode", "08_fsdp", "1
                 CP_STAGE]
 
 
+def stalled(case_id: str, stage: str, fault: str, step: Step | None, timeout: int, **signal_kw) -> Case:
+    """Rank 1 SIGSTOPped. It cannot obey SIGTERM: the job ends after the healthy ranks' --timeout and the launcher's
+    whole grace (not less: at_least), then SIGKILL."""
+    grace = launcher_grace((step or CONFIGS[stage[:2]]).launcher)
+    return Case(case_id, stage, fault, None, timeout + grace, f"--timeout {timeout}s",
+                signalled(stage, signal.SIGSTOP, "--timeout", str(timeout), step=step, waits=timeout + grace,
+                          **signal_kw), at_least=grace)
+
+
 def cases() -> list[Case]:
     out = []
     for stage in STALL_STAGES:  # slow first: they wait for timeouts, and run beside the rest
@@ -643,23 +655,14 @@ def cases() -> list[Case]:
         # must wait --timeout as the world's does (init_device_mesh's subgroups would wait 30 minutes).
         stall = replace(CONFIGS["05"], nproc=2) if stage == "05_multinode" else GPT_FAULTS.get(stage) \
             or (replace(CONFIGS["10"], nproc=4) if stage == "10_pipeline_parallel" else None)
-        # The stalled rank cannot obey SIGTERM: the job ends after the healthy ranks' --timeout and the launcher's
-        # whole grace (not less: at_least), then SIGKILL.
-        grace = launcher_grace((stall or CONFIGS[stage[:2]]).launcher)
-        out.append(Case(f"{stage[:2]}-stalled-rank", stage, "SIGSTOP to rank 1 after its first log line", None,
-                        TIMEOUT + grace, f"--timeout {TIMEOUT}s",
-                        signalled(stage, signal.SIGSTOP, "--timeout", str(TIMEOUT), step=stall, waits=TIMEOUT + grace,
-                                  **(GPT_FAULT_AFTER if stage in GPT_FAULTS else {})), at_least=grace))
+        out.append(stalled(f"{stage[:2]}-stalled-rank", stage, "SIGSTOP to rank 1 after its first log line", stall,
+                           TIMEOUT, **(GPT_FAULT_AFTER if stage in GPT_FAULTS else {})))
     out += [Case("05-node-never-joins-static", "05_multinode", "node 0 of 2 started alone (static)", None,
                  RENDEZVOUS_TIMEOUT, "1/2 clients joined", lone_node("static"), at_least=RENDEZVOUS_TIMEOUT),
             Case("05-node-never-joins-c10d", "05_multinode", "node 0 of 2 started alone (c10d)", None,
                  RENDEZVOUS_TIMEOUT, "RendezvousTimeoutError", lone_node("c10d"), at_least=RENDEZVOUS_TIMEOUT)]
-    grace = launcher_grace(PP_FAULT.launcher)
-    # 20 s, not 5: --timeout also bounds the start-up's store waits, and this grid's groups took longer under load.
-    out.append(Case("12-stalled-stage", CP_STAGE, "SIGSTOP to pipeline stage 1 after its first log line", None,
-                    20 + grace, "--timeout 20s",
-                    signalled(CP_STAGE, signal.SIGSTOP, "--timeout", "20", step=PP_FAULT, waits=20 + grace,
-                              tag="-pp", **GPT_FAULT_AFTER), at_least=grace))
+    out.append(stalled("12-stalled-stage", CP_STAGE, "SIGSTOP to pipeline stage 1 after its first log line", PP_FAULT,
+                       PP_TIMEOUT, tag="-pp", **GPT_FAULT_AFTER))
     for stage in [*DDP_STAGES, *GPT_FAULTS]:  # nothing waits: the healthy ranks see a closed connection at once
         out.append(Case(f"{stage[:2]}-killed-rank", stage, "SIGKILL to rank 1 after its first log line", None, 0,
                         "SIGKILL", signalled(stage, signal.SIGKILL, step=GPT_FAULTS.get(stage),
