@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import re
 import time
 
 import pytest
@@ -178,8 +179,10 @@ def test_without_join_the_job_fails_at_once_and_never_hangs(tmp_path):
     # Rank 0 ran out of batches and called the loss all_reduce (4 numbers) while rank 1's backward sent a gradient
     # bucket (4996 numbers) under the same sequence number: gloo refuses the oversized message and aborts rank 0...
     assert "Is there a distributed collective mismatch in your code?" in run.stderr, run.describe()
-    # ...and rank 1, waiting in that gradient all-reduce, gets the stage's one-line hint.
+    # ...and rank 1, waiting in that gradient all-reduce, gets the stage's one-line hint, unless torchrun, seeing
+    # rank 0 gone, stopped it first (a race: under load CI saw torchrun's SIGTERM report for rank 1 instead).
     hint = load_stage(RECIPE).explain_peer_failure(RuntimeError("Connection reset by peer"), timeout)
-    assert f"[{RECIPE}] rank 1: {hint}" in run.stderr, run.describe()
+    stopped = re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: -15 ", run.stderr)
+    assert f"[{RECIPE}] rank 1: {hint}" in run.stderr or stopped, run.describe()
     assert started.at is not None, run.describe()
     assert run.seconds - started.at < timeout + 10, f"ended {run.seconds - started.at:.1f}s after it started"
