@@ -49,6 +49,7 @@ from unittest import mock
 import pytest
 import torch
 
+import harness
 from conftest import CONFIGS
 from harness import (
     RECIPES,
@@ -747,6 +748,14 @@ def mounted(path: Path, options: str) -> Iterator[bool]:
     finally:
         if ok:
             subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def real_torchrun() -> Iterator[None]:
+    """Every launch here through torchrun itself (harness.forked): how the real launcher ends a job is tested here."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(harness, "FORK_RANKS", False)
+        yield
 
 
 @pytest.fixture(scope="module")
