@@ -4,8 +4,9 @@ Every launch runs in its own process group with a time limit (the job is killed 
 fails instead of hanging), never on a fixed port (stage 03 picks a free one; torchrun runs
 --standalone, which binds port 0; forkrun takes a free one), and reports processes that outlived the launcher.
 One difference, for the suite's time: a single-node `torchrun --standalone` job that no test watches runs its
-ranks forked from one start-up (tests/forkrun.py, see forked()): the same script, environment and ranks, ~40%
-fewer CPU-seconds; torchrun itself runs in the tour, the README blocks and the fault battery.
+ranks forked from one start-up (tests/forkrun.py, see forked()): the same script, environment and ranks, and
+a third fewer CPU-seconds over the modules that use it (CONTRIBUTING); torchrun itself runs in the tour, the
+README blocks and the fault battery.
 """
 from __future__ import annotations
 
