@@ -71,7 +71,7 @@ def forked(cmds: list[list[str]]) -> list[list[str]]:
     nproc, *rest = cmds[0][len(head):]
     if not nproc.startswith("--nproc_per_node=") or not rest or rest[0].startswith("-"):
         return cmds
-    return [[sys.executable, str(FORKRUN), nproc.split("=", 1)[1], *rest]]
+    return [[sys.executable, str(FORKRUN), nproc.split("=", 1)[1], str(free_port()), *rest]]
 
 
 def launch(step: Step, out: Path | None = None, script: Path | None = None, timeout: float = 120.0,
