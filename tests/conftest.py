@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from containers import build_image, engine_env, engine_missing, remove_everything
-from harness import Run, Step, check, load_run, plan
+from harness import Run, Step, check, forkrun_server, load_run, plan
 from readme_blocks import HIDE_GPUS, TOURS, Block, block_showing, repo_copy, run_block, run_docs, why_skipped
 
 W, B, DTYPE = 2, 32, "float64"
@@ -127,7 +127,15 @@ class Background:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def background(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Background]:
+def forked_launches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The session's forkrun server (harness.forkrun_server), for every launch that tests/forkrun.py runs."""
+    with forkrun_server(tmp_path_factory.mktemp("forkrun")):
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background(forked_launches: None, request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Background]:
     items = request.session.items
     blocks = readme_blocks_to_run(items)
     tour_copy = repo_copy(tmp_path_factory.mktemp("tour")) if any(needs_tour(item) for item in items) else None

@@ -75,6 +75,11 @@ class Profile:
                     tag = item.split(b"=", 1)[1].decode()
                     if tag in self.jobs:
                         return self.jobs[tag]
+            # A job of the session's forkrun server does not carry the launch's environment: its leader's name does.
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            for tag, owner in self.jobs.items():
+                if len(name) == 15 and tag.endswith(name):
+                    return owner
         except OSError:
             pass
         return parent["owner"] if parent is not None else self.owner

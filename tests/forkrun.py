@@ -1,5 +1,6 @@
 """`torchrun --standalone --nproc_per_node=N script args`, for the tests that check what a script computes, with one
-start-up instead of N + 1: `python tests/forkrun.py N PORT script args` (PORT: a free one, for MASTER_PORT).
+start-up instead of N + 1: `python tests/forkrun.py N PORT script args` (PORT: a free one, for MASTER_PORT); and
+`python script args` as `python tests/forkrun.py python script args`.
 
 The suite's cost is start-ups: torchrun's agent imports torch (1.7 CPU-s), each of its N workers imports torch again
 (2.5 s) and DDP's constructor imports torch._dynamo (2 s more). Here torch and torch._dynamo are imported once, and the
@@ -12,15 +13,31 @@ then SIGKILL after GRACE s, the order torchrun's agent uses; its grace is 30 s),
 (torchrun's too). What torchrun itself does (its rendezvous, restarts, a failing rank ending the job) stays with the
 real launcher: the tour, the README blocks and the fault battery (tests/test_faults.py) run it. harness.launch_commands
 decides which launches come here.
+
+Within a test session even that one import is shared: the session starts a server (`forkrun.py --serve SOCKET`,
+harness.forkrun_server) that imports torch once and forks a leader for each launch whose environment is the one torch
+was imported with (else the launch imports for itself, as above). The leader takes the launch's stdin, stdout,
+stderr, working directory and environment, runs its ranks, and answers with the exit status; the launch, a small
+process that never imports torch, waits for it, and if the launch is killed (its test's time limit) the leader kills
+the ranks at once. The harness's survivor check cannot see a leader's processes (they carry the server's environment),
+so the leader reaps every rank before it answers.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import json
 import os
+import re
+import select
 import signal
+import socket
 import sys
 import time
+from pathlib import Path
 
 GRACE = 5.0  # seconds between SIGTERM and SIGKILL for the ranks left when one fails
+PYTHON = "python"  # in place of N and PORT: one process, as `python script args`
 
 
 def run_rank(script: str, args: list[str], env: dict[str, str]) -> int:
@@ -51,15 +68,19 @@ def run_rank(script: str, args: list[str], env: dict[str, str]) -> int:
     return code
 
 
-def main() -> int:
-    nproc, port, script, args = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
-    if nproc > 1:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: before torch reads it
-    import torch  # noqa: F401  the start-up every rank shares
+def imported() -> None:
+    """The start-up every rank shares, in a process that must stay single-threaded until it forks."""
+    import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  what DDP's constructor imports
     import torch.distributed  # noqa: F401
     threads = os.listdir(f"/proc/{os.getpid()}/task")
     assert len(threads) == 1, f"forkrun: {len(threads)} threads before forking: a fork would copy locks they hold"
+
+
+def run_ranks(nproc: int, port: str, script: str, args: list[str], client: socket.socket | None = None) -> int:
+    """Fork the N ranks, wait for them; one failing stops the others. With `client` (a server's job): its
+    connection closing (the test's launch killed, at its time limit) kills the ranks at once. Port PYTHON: one
+    process as `python script args` (no torchrun variables, its own exit status)."""
     common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(nproc),
               "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
               "ROLE_WORLD_SIZE": str(nproc), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
@@ -68,20 +89,30 @@ def main() -> int:
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
-            env = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
+            if client is not None:
+                client.close()
+            env = {} if port == PYTHON else {**common, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                             "ROLE_RANK": str(rank)}
             os._exit(run_rank(script, args, env))
         ranks[pid] = rank
-    failed, deadline = False, None
+    failed, deadline = False, float("inf")
     while ranks:
-        pid, status = os.waitpid(-1, os.WNOHANG) if failed else os.waitpid(-1, 0)
+        if client is not None and select.select([client], [], [], 0.05)[0]:  # the launch is gone: so is the job
+            for other in ranks:
+                os.kill(other, signal.SIGKILL)
+            failed, deadline, client = True, float("inf"), None
+        pid, status = os.waitpid(-1, os.WNOHANG) if failed or client is not None else os.waitpid(-1, 0)
         if pid == 0:  # stopping the others: wait for them, up to the grace, then kill
             if time.monotonic() > deadline:
                 for other in ranks:
                     os.kill(other, signal.SIGKILL)
                 deadline = float("inf")
-            time.sleep(0.02)
+            if client is None:
+                time.sleep(0.02)
             continue
         ranks.pop(pid)
+        if port == PYTHON:
+            return os.waitstatus_to_exitcode(status)
         if os.waitstatus_to_exitcode(status) != 0 and not failed:
             failed, deadline = True, time.monotonic() + GRACE
             for other in ranks:
@@ -89,5 +120,120 @@ def main() -> int:
     return 1 if failed else 0
 
 
+def main() -> int:
+    if sys.argv[1] == "--torchrun":  # tests/readme_blocks.py's `torchrun`: the form it can run, or torchrun itself
+        args = sys.argv[2:]
+        if len(args) < 3 or args[0] != "--standalone" or not re.fullmatch(r"--nproc_per_node=\d+", args[1]) \
+                or args[2].startswith("-"):
+            os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *args])
+        with socket.socket() as s:  # a free port, as --standalone's rendezvous would take
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+        sys.argv = [sys.argv[0], args[1].split("=")[1], port, *args[2:]]
+    if sys.argv[1] == PYTHON:  # `forkrun.py python script args`: `python script args`, from the server if it can
+        nproc, port, script, args = 1, PYTHON, sys.argv[2], sys.argv[3:]
+    else:
+        nproc, port, script, args = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
+    if nproc > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: before torch reads it
+    served = ask_server(nproc, port, script, args)
+    if served is not None and served < 0:  # the script's process was killed by a signal: so is this one
+        signal.signal(-served, signal.SIG_DFL)
+        os.kill(os.getpid(), -served)
+    if served is not None:
+        return served
+    if port == PYTHON:
+        os.execv(sys.executable, [sys.executable, script, *args])
+    imported()
+    code = run_ranks(nproc, port, script, args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown: ~0.5 CPU-s of collecting torch's objects, for nothing
+
+
+# A server (`forkrun.py --serve SOCKET`, one per test session: conftest starts it) makes the start-up once for every
+# job: each `forkrun.py N PORT script args` whose environment is the server's asks it to fork a leader, which takes
+# the launch's stdin, stdout and stderr and working directory and runs the ranks as above; the launch waits for the
+# leader's exit status. The environment must be the server's (what torch read as it was imported), but for these:
+JOB_ENV = {"DDP_TUTORIAL_JOB", "PYTEST_CURRENT_TEST", "PWD", "OLDPWD", "SHLVL", "_",  # the launch's tag, the test's
+           "PATH", "CUDA_VISIBLE_DEVICES"}  # name, the shell's; read when used (a subprocess, CUDA's first call), not
+# as torch is imported; and what importing torch adds (TORCHINDUCTOR_CACHE_DIR), if it has the server's value.
+SERVER = "DDP_TUTORIAL_FORKRUN_SERVER"  # the server's socket, set in the session's environment
+
+
+def comparable(env: dict[str, str], added: dict[str, str] | None = None) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in JOB_ENV and (added or {}).get(k) != v}
+
+
+def ask_server(nproc: int, port: str, script: str, args: list[str]) -> int | None:
+    """The job's exit status, run by the session's server; None where there is none or its environment differs."""
+    path = os.environ.get(SERVER)
+    try:
+        server = json.loads(Path(f"{path}.env").read_text()) if path else None
+        if server is None or server["env"] != comparable(dict(os.environ), server["added"]):
+            return None
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        conn.connect(path)
+    except OSError:
+        return None
+    request = {"nproc": nproc, "port": port, "script": script, "args": args, "cwd": os.getcwd(),
+               "env": dict(os.environ)}
+    socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+    reply = conn.recv(16)  # the leader's, once every rank has ended; nothing if the leader died
+    return int(reply) if reply else 1
+
+
+def lead(conn: socket.socket, request: dict, fds: list[int]) -> None:
+    """In the server's child: become the launch (its files, directory, environment) and run its ranks."""
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    tag = request["env"].get("DDP_TUTORIAL_JOB", "")
+    # The process's name carries the launch's tag (its last 15 characters): `pytest --cpu-profile` finds its owner so.
+    ctypes.CDLL(None).prctl(15, tag[-15:].encode(), 0, 0, 0)  # PR_SET_NAME
+    code = run_ranks(request["nproc"], request["port"], request["script"], request["args"], client=conn)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with contextlib.suppress(OSError):
+        conn.send(str(code).encode())
+
+
+def serve(path: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    before = comparable(dict(os.environ))  # what torch reads as it is imported
+    imported()
+    added = {k: v for k, v in os.environ.items() if k not in before}  # and what it sets
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # this server's own path: a killed one's socket may be left
+    listener.bind(path)
+    listener.listen(64)
+    Path(f"{path}.env.tmp").write_text(json.dumps({"env": before, "added": added}))
+    os.rename(f"{path}.env.tmp", f"{path}.env")  # clients read it first: whole or not at all
+    while True:
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0]:  # leaders that have ended
+                pass
+        if not select.select([listener], [], [], 1.0)[0]:
+            continue
+        conn, _ = listener.accept()
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        if os.fork() == 0:
+            listener.close()
+            try:
+                lead(conn, json.loads(message), fds)
+            finally:
+                os._exit(0)
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1] == "--serve":
+        serve(sys.argv[2])
+    else:
+        sys.exit(main())

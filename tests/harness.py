@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +22,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+import forkrun
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tour import (  # noqa: E402
@@ -66,12 +69,35 @@ def forked(cmds: list[list[str]]) -> list[list[str]]:
     """`cmds` with `torchrun --standalone --nproc_per_node=N script args` as forkrun's `N script args`; any other
     command (several nodes, more launcher flags such as --max-restarts, no torchrun) as it is."""
     head = [*TORCHRUN, "--standalone"]
-    if not FORK_RANKS or len(cmds) != 1 or cmds[0][:len(head)] != head:
+    if not FORK_RANKS or len(cmds) != 1:
+        return cmds
+    if len(cmds[0]) > 1 and cmds[0][0] == sys.executable and cmds[0][1].endswith(".py"):  # `python script args`
+        return [[sys.executable, str(FORKRUN), forkrun.PYTHON, *cmds[0][1:]]]
+    if cmds[0][:len(head)] != head:
         return cmds
     nproc, *rest = cmds[0][len(head):]
     if not nproc.startswith("--nproc_per_node=") or not rest or rest[0].startswith("-"):
         return cmds
     return [[sys.executable, str(FORKRUN), nproc.split("=", 1)[1], str(free_port()), *rest]]
+
+
+@contextlib.contextmanager
+def forkrun_server(folder: Path) -> Iterator[None]:
+    """The session's forkrun server (tests/forkrun.py --serve): every forked launch whose environment is the
+    session's is forked from it, so torch is imported once per session instead of once per launch."""
+    import subprocess
+    path = str(folder / "socket")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(forkrun.SERVER, path)  # before the server starts: its environment is what launches must have
+        with open(folder / "server.log", "wb") as log:
+            server = subprocess.Popen([sys.executable, str(FORKRUN), "--serve", path], env=clean_env(),
+                                      stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)  # the server, and any leader or rank still running
+            server.wait()
 
 
 def launch(step: Step, out: Path | None = None, script: Path | None = None, timeout: float = 120.0,

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness import ROOT, Run, free_port, plan, run_job, slurm_missing
+from harness import FORKRUN, ROOT, Run, free_port, plan, run_job, slurm_missing
 
 DOCS = sorted(p for p in ROOT.rglob("README.md") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts))
 FENCE = re.compile(r"(?:<!-- (?P<marker>[^>]*?) -->\n)?```(?P<lang>[^\n]*)\n(?P<body>.*?)```", re.S)
@@ -207,6 +207,19 @@ AT_ONCE = 2
 HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 
 
+def torchrun_shim(tmp: Path) -> Path:
+    """A folder holding a `torchrun` for the READMEs' commands: `torchrun --standalone --nproc_per_node=N script args`
+    runs through tests/forkrun.py (the ranks forked from the session's one import of torch: each such command cost ~8
+    CPU-s more through torchrun, and the READMEs hold 43 of them); any other form (several nodes, --max-restarts) is
+    torchrun's. The tour (every stage, through torchrun itself) does not use it, nor does the fault battery."""
+    shim = tmp / "torchrun_shim"
+    shim.mkdir()
+    (shim / "torchrun").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(FORKRUN))} '
+                                   f'--torchrun "$@"\n')
+    (shim / "torchrun").chmod(0o755)
+    return shim
+
+
 def run_docs(blocks: list[Block], tmp: Path) -> dict[str, Run | BaseException]:
     """Each block's run, by id: each README's blocks in order in one copy under `tmp`, AT_ONCE READMEs at a time.
 
@@ -216,13 +229,15 @@ def run_docs(blocks: list[Block], tmp: Path) -> dict[str, Run | BaseException]:
     docs: dict[Path, list[Block]] = {}
     for block in blocks:
         docs.setdefault(block.doc, []).append(block)
+    env = {**HIDE_GPUS, "PATH": f"{torchrun_shim(tmp)}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}"
+                                f"{os.environ['PATH']}"}
 
     def one_doc(blocks: list[Block]) -> dict[str, Run | BaseException]:
         copy = repo_copy(Path(tempfile.mkdtemp(dir=tmp)))
         done: dict[str, Run | BaseException] = {}
         for block in blocks:
             try:
-                done[block.id] = run_block(block, copy, HIDE_GPUS)
+                done[block.id] = run_block(block, copy, env)
             except BaseException as e:  # a bug here: reported by the block's own test
                 done[block.id] = e
         return done
