@@ -3,10 +3,10 @@
 Every launch runs in its own process group with a time limit (the job is killed and the test
 fails instead of hanging), never on a fixed port (stage 03 picks a free one; torchrun runs
 --standalone, which binds port 0; forkrun takes a free one), and reports processes that outlived the launcher.
-One difference, for the suite's time: a single-node `torchrun --standalone` job that no test watches runs its
-ranks forked from one start-up (tests/forkrun.py, see forked()): the same script, environment and ranks, and
-a third fewer CPU-seconds over the modules that use it (CONTRIBUTING); torchrun itself runs in the tour, the
-README blocks and the fault battery.
+One difference, for the suite's time: a single-node `torchrun --standalone` job, or a `python script` one, that
+no test watches runs forked from the session's one import of torch (tests/forkrun.py, see forked() and
+forkrun_server()): the same script, environment and ranks, without a start-up per launch (CONTRIBUTING, "Where the
+time goes"); torchrun itself runs in the tour and the fault battery, and for the READMEs' other forms.
 """
 from __future__ import annotations
 
@@ -59,15 +59,17 @@ __all__ = ["ROOT", "RECIPES", "STAGES", "TORCHRUN", "Fault", "Job", "Run", "Step
            "with_args", "with_batch", "workers"]
 
 
-# Single-node torchrun launches are run by tests/forkrun.py (the ranks forked after one import of torch), unless a
-# test watches the job (`during`: a fault to inject) or the module tests torchrun itself (test_faults turns this off).
+# Single-node torchrun and `python script` launches are run by tests/forkrun.py (forked from the session's import of
+# torch), unless a test watches the job (`during`: a fault to inject) or the module tests torchrun itself
+# (test_faults turns this off).
 FORK_RANKS = True
 FORKRUN = ROOT / "tests" / "forkrun.py"
 
 
 def forked(cmds: list[list[str]]) -> list[list[str]]:
-    """`cmds` with `torchrun --standalone --nproc_per_node=N script args` as forkrun's `N script args`; any other
-    command (several nodes, more launcher flags such as --max-restarts, no torchrun) as it is."""
+    """`cmds` with `torchrun --standalone --nproc_per_node=N script args` as forkrun's `N PORT script args` and
+    `python script args` as its `python script args`; any other command (several nodes, more launcher flags such as
+    --max-restarts, `python -c`) as it is."""
     head = [*TORCHRUN, "--standalone"]
     if not FORK_RANKS or len(cmds) != 1:
         return cmds

@@ -13,7 +13,9 @@ under a time limit. A comment line just before a block can say how:
     <!-- expect: <text> -->             the output must contain <text>
 
 Several may be combined with ";". The one change made to a command: ports written as 29xxx become
-free ports (the same one for the same number within a file), since the tests never use a fixed port.
+free ports (the same one for the same number within a file), since the tests never use a fixed port. And one to
+how it runs: `torchrun` is torchrun_shim's, which forks the ranks of `--standalone --nproc_per_node=N script` jobs
+from the session's import of torch (tests/forkrun.py) and hands every other form to torchrun.
 """
 from __future__ import annotations
 
