@@ -11,8 +11,8 @@ What differs from torchrun: no agent, so no agent's store (the scripts' init_pro
 the free port harness.forked picked), no restarts, no monitoring beyond "one rank failed: stop the others" (SIGTERM,
 then SIGKILL after GRACE s, the order torchrun's agent uses; its grace is 30 s), and exit status 1 for any failure
 (torchrun's too). What torchrun itself does (its rendezvous, restarts, a failing rank ending the job) stays with the
-real launcher: the tour, the README blocks and the fault battery (tests/test_faults.py) run it. harness.launch_commands
-decides which launches come here.
+real launcher: the tour, the READMEs' other forms and the fault battery (tests/test_faults.py) run it.
+harness.launch_commands decides which test launches come here, readme_blocks.torchrun_shim which README commands.
 
 Within a test session even that one import is shared: the session starts a server (`forkrun.py --serve SOCKET`,
 harness.forkrun_server) that imports torch once and forks a leader for each launch whose environment is the one torch
