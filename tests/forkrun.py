@@ -126,10 +126,10 @@ def main() -> int:
         if len(args) < 3 or args[0] != "--standalone" or not re.fullmatch(r"--nproc_per_node=\d+", args[1]) \
                 or args[2].startswith("-"):
             os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *args])
-        with socket.socket() as s:  # a free port, as --standalone's rendezvous would take
-            s.bind(("127.0.0.1", 0))
-            port = str(s.getsockname()[1])
-        sys.argv = [sys.argv[0], args[1].split("=")[1], port, *args[2:]]
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tour import free_port  # the suite's one way to pick a port (stdlib only: no torch in the launch)
+        sys.path.pop(0)  # the script's sys.path is `python script`'s (run_rank)
+        sys.argv = [sys.argv[0], args[1].split("=")[1], str(free_port()), *args[2:]]
     if sys.argv[1] == PYTHON:  # `forkrun.py python script args`: `python script args`, from the server if it can
         nproc, port, script, args = 1, PYTHON, sys.argv[2], sys.argv[3:]
     else:
