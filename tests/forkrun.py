@@ -12,7 +12,7 @@ the free port harness.forked picked), no restarts, no monitoring beyond "one ran
 then SIGKILL after GRACE s, the order torchrun's agent uses; its grace is 30 s), and exit status 1 for any failure
 (torchrun's too). What torchrun itself does (its rendezvous, restarts, a failing rank ending the job) stays with the
 real launcher: the tour, the READMEs' other forms and the fault battery (tests/test_faults.py) run it.
-harness.launch_commands decides which test launches come here, readme_blocks.torchrun_shim which README commands.
+harness.launch_commands decides which test launches come here, readme_blocks.launch_shims which README commands.
 
 Within a test session even that one import is shared: the session starts a server (`forkrun.py --serve SOCKET`,
 harness.forkrun_server) that imports torch once and forks a leader for each launch whose environment is the one torch
@@ -130,6 +130,11 @@ def main() -> int:
         from tour import free_port  # the suite's one way to pick a port (stdlib only: no torch in the launch)
         sys.path.pop(0)  # the script's sys.path is `python script`'s (run_rank)
         sys.argv = [sys.argv[0], args[1].split("=")[1], str(free_port()), *args[2:]]
+    if sys.argv[1] == "--python":  # tests/readme_blocks.py's `python`: `python script.py args` forked, else python
+        args = sys.argv[2:]
+        if not args or not args[0].endswith(".py") or not os.path.isfile(args[0]):
+            os.execv(sys.executable, [sys.executable, *args])
+        sys.argv = [sys.argv[0], PYTHON, *args]
     if sys.argv[1] == PYTHON:  # `forkrun.py python script args`: `python script args`, from the server if it can
         nproc, port, script, args = 1, PYTHON, sys.argv[2], sys.argv[3:]
     else:
@@ -156,8 +161,14 @@ def main() -> int:
 # the launch's stdin, stdout and stderr and working directory and runs the ranks as above; the launch waits for the
 # leader's exit status. The environment must be the server's (what torch read as it was imported), but for these:
 JOB_ENV = {"DDP_TUTORIAL_JOB", "PYTEST_CURRENT_TEST", "PWD", "OLDPWD", "SHLVL", "_",  # the launch's tag, the test's
-           "PATH", "CUDA_VISIBLE_DEVICES"}  # name, the shell's; read when used (a subprocess, CUDA's first call), not
-# as torch is imported; and what importing torch adds (TORCHINDUCTOR_CACHE_DIR), if it has the server's value.
+           "PATH", "CUDA_VISIBLE_DEVICES",  # name, the shell's; read when used (a subprocess, CUDA's first call), not
+           # as torch is imported; what a notebook's kernel adds (Jupyter's, IPython's and matplotlib's folders, its
+           # terminal settings, tests/test_notebooks.py's folders), none of them read by torch;
+           "JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR", "JPY_PARENT_PID", "IPYTHONDIR",
+           "PYDEVD_USE_FRAME_EVAL", "MPLBACKEND", "MPLCONFIGDIR", "TERM", "PAGER", "GIT_PAGER", "CLICOLOR",
+           "CLICOLOR_FORCE", "FORCE_COLOR", "NOTEBOOK_RUNS", "NOTEBOOK_REUSE",
+           "PYTHONDONTWRITEBYTECODE"}  # which the leader applies (sys.dont_write_bytecode), as Python does at start;
+# and what importing torch adds (TORCHINDUCTOR_CACHE_DIR), if it has the server's value.
 SERVER = "DDP_TUTORIAL_FORKRUN_SERVER"  # the server's socket, set in the session's environment
 
 
@@ -191,6 +202,7 @@ def lead(conn: socket.socket, request: dict, fds: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    sys.dont_write_bytecode = bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))  # read by Python as it starts
     tag = request["env"].get("DDP_TUTORIAL_JOB", "")
     # The process's name carries the launch's tag (its last 15 characters): `pytest --cpu-profile` finds its owner so.
     ctypes.CDLL(None).prctl(15, tag[-15:].encode(), 0, 0, 0)  # PR_SET_NAME

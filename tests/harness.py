@@ -83,6 +83,14 @@ def forked(cmds: list[list[str]]) -> list[list[str]]:
     return [[sys.executable, str(FORKRUN), nproc.split("=", 1)[1], str(free_port()), *rest]]
 
 
+def fork_launches(module: ModuleType) -> None:
+    """`module.run_job` (tour.run_job, as notebooks/nbtools.py imports it) through forked(): a notebook's kernel runs
+    this before the notebook (tests/test_notebooks.py), so its launches go the way the tests' do; what the notebook
+    prints of each command is unchanged."""
+    run_job = module.run_job
+    module.run_job = lambda cmds, *args, **kwargs: run_job(forked(cmds), *args, **kwargs)
+
+
 @contextlib.contextmanager
 def forkrun_server(folder: Path) -> Iterator[None]:
     """The session's forkrun server (tests/forkrun.py --serve): every forked launch whose environment is the

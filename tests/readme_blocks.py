@@ -14,8 +14,9 @@ under a time limit. A comment line just before a block can say how:
 
 Several may be combined with ";". The one change made to a command: ports written as 29xxx become
 free ports (the same one for the same number within a file), since the tests never use a fixed port. And one to
-how it runs: `torchrun` is torchrun_shim's, which forks the ranks of `--standalone --nproc_per_node=N script` jobs
-from the session's import of torch (tests/forkrun.py) and hands every other form to torchrun.
+how it runs: `torchrun` and `python` are launch_shims', which fork `torchrun --standalone --nproc_per_node=N script`
+jobs' ranks and `python script.py` from the session's import of torch (tests/forkrun.py) and hand every other form
+to torchrun or Python.
 """
 from __future__ import annotations
 
@@ -209,16 +210,19 @@ AT_ONCE = 2
 HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 
 
-def torchrun_shim(tmp: Path) -> Path:
-    """A folder holding a `torchrun` for the READMEs' commands: `torchrun --standalone --nproc_per_node=N script args`
-    runs through tests/forkrun.py (the ranks forked from the session's one import of torch: each such command cost ~8
-    CPU-s more through torchrun, and the READMEs hold 43 of them); any other form (several nodes, --max-restarts) is
-    torchrun's. The tour (every stage, through torchrun itself) does not use it, nor does the fault battery."""
-    shim = tmp / "torchrun_shim"
+def launch_shims(tmp: Path) -> Path:
+    """A folder holding a `torchrun` and a `python` for the READMEs' commands: `torchrun --standalone
+    --nproc_per_node=N script args` and `python script.py args` run through tests/forkrun.py (forked from the session's
+    one import of torch: each such torchrun command cost ~8 CPU-s more through torchrun, and the READMEs hold 43; each
+    `python script.py`, ~2.5 CPU-s of importing torch, 25 of them); any other form (several nodes, --max-restarts,
+    `python -c`, `python -m`) is torchrun's or Python's own. The tour (every stage, through torchrun itself) does not
+    use them, nor does the fault battery."""
+    shim = tmp / "launch_shims"
     shim.mkdir()
-    (shim / "torchrun").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(FORKRUN))} '
-                                   f'--torchrun "$@"\n')
-    (shim / "torchrun").chmod(0o755)
+    for name, form in [("torchrun", "--torchrun"), ("python", "--python")]:
+        (shim / name).write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(FORKRUN))} '
+                                 f'{form} "$@"\n')
+        (shim / name).chmod(0o755)
     return shim
 
 
@@ -231,7 +235,7 @@ def run_docs(blocks: list[Block], tmp: Path) -> dict[str, Run | BaseException]:
     docs: dict[Path, list[Block]] = {}
     for block in blocks:
         docs.setdefault(block.doc, []).append(block)
-    env = {**HIDE_GPUS, "PATH": f"{torchrun_shim(tmp)}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}"
+    env = {**HIDE_GPUS, "PATH": f"{launch_shims(tmp)}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}"
                                 f"{os.environ['PATH']}"}
 
     def one_doc(blocks: list[Block]) -> dict[str, Run | BaseException]:

@@ -7,6 +7,7 @@ started it: the session's server (a leader forked from `forkrun.py --serve`), to
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import sys
 import textwrap
@@ -17,6 +18,7 @@ import pytest
 
 import forkrun
 import harness
+import readme_blocks
 from harness import FORKRUN, Job, forked, run_job
 
 # What the script's process says about itself: its parent's command line tells who started it.
@@ -125,3 +127,15 @@ def test_the_readme_torchrun_forks_its_one_form_and_hands_the_others_to_torchrun
     for run, served, agent in ((ours, True, False), (theirs, False, True)):
         assert run.returncode == 0 and not run.survivors, run.describe()
         assert run.stdout.count(f"served {served} agent {agent}") == 2, run.describe()
+
+
+def test_the_readme_python_forks_a_script_and_hands_the_rest_to_python(tmp_path):
+    path = script(tmp_path, "sys.exit(4)\n")
+    shims = readme_blocks.launch_shims(tmp_path)
+    env = {"PATH": f"{shims}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}  # as run_block sets
+    ours = run_job([["sh", "-c", f"python {path} a"]], env=env, timeout=60)
+    assert ours.returncode == 4 and "served True agent False args ['a']" in ours.stdout, ours.describe()
+    for words, code, says in ((["-c", "import sys; print('torch' in sys.modules)"], 0, "False"),  # not imported here
+                              ([str(tmp_path / "missing.py")], 2, "can't open file")):  # Python's own refusal
+        theirs = run_job([["sh", "-c", " ".join(["python", *map(shlex.quote, words)])]], env=env, timeout=60)
+        assert theirs.returncode == code and says in theirs.stdout + theirs.stderr, theirs.describe()

