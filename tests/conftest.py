@@ -18,6 +18,7 @@ those that keep both cores busy on their own or wait for the README commands.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -129,8 +130,23 @@ class Background:
 @pytest.fixture(scope="session", autouse=True)
 def forked_launches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """The session's forkrun server (harness.forkrun_server), for every launch that tests/forkrun.py runs."""
-    with forkrun_server(tmp_path_factory.mktemp("forkrun")):
+    with forkrun_server(tmp_path_factory.mktemp("forkrun")) as unserved:
         yield
+        UNSERVED.extend(unserved.read_text().splitlines() if unserved.exists() else [])
+
+
+# Launches the server did not serve (each: the variables its environment differs in), said at the session's end: a
+# test that leaves a variable in the session's environment makes every later launch import torch itself, silently
+# (inductor's _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR once did, after an in-process compile: ~100 CPU-s).
+UNSERVED: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if UNSERVED:
+        counts = Counter(UNSERVED).most_common()
+        launches = f"{len(UNSERVED)} launch{'es' if len(UNSERVED) > 1 else ''}"
+        terminalreporter.write_line(f"forkrun: {launches} imported torch themselves (their environment "
+                                    f"differs from the server's in: {'; '.join(f'{k} ({n})' for k, n in counts)})")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -160,14 +160,22 @@ def main() -> int:
 # job: each `forkrun.py N PORT script args` whose environment is the server's asks it to fork a leader, which takes
 # the launch's stdin, stdout and stderr and working directory and runs the ranks as above; the launch waits for the
 # leader's exit status. The environment must be the server's (what torch read as it was imported), but for these:
-JOB_ENV = {"DDP_TUTORIAL_JOB", "PYTEST_CURRENT_TEST", "PWD", "OLDPWD", "SHLVL", "_",  # the launch's tag, the test's
-           "PATH", "CUDA_VISIBLE_DEVICES",  # name, the shell's; read when used (a subprocess, CUDA's first call), not
-           # as torch is imported; what a notebook's kernel adds (Jupyter's, IPython's and matplotlib's folders, its
-           # terminal settings, tests/test_notebooks.py's folders), none of them read by torch;
-           "JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR", "JPY_PARENT_PID", "IPYTHONDIR",
-           "PYDEVD_USE_FRAME_EVAL", "MPLBACKEND", "MPLCONFIGDIR", "TERM", "PAGER", "GIT_PAGER", "CLICOLOR",
-           "CLICOLOR_FORCE", "FORCE_COLOR", "NOTEBOOK_RUNS", "NOTEBOOK_REUSE",
-           "PYTHONDONTWRITEBYTECODE"}  # which the leader applies (sys.dont_write_bytecode), as Python does at start;
+JOB_ENV = {
+    # the launch's tag, the test's name, the shell's; read when used (a subprocess, CUDA's first call,
+    # init_process_group), not as torch is imported;
+    "DDP_TUTORIAL_JOB", "PYTEST_CURRENT_TEST", "PWD", "OLDPWD", "SHLVL", "_", "PATH", "CUDA_VISIBLE_DEVICES",
+    "MASTER_ADDR", "MASTER_PORT",
+    # what a notebook's kernel adds (Jupyter's, IPython's and matplotlib's folders, its terminal settings,
+    # tests/test_notebooks.py's folders), none of them read by torch;
+    "JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR", "JPY_PARENT_PID", "IPYTHONDIR",
+    "PYDEVD_USE_FRAME_EVAL", "MPLBACKEND", "MPLCONFIGDIR", "TERM", "PAGER", "GIT_PAGER", "CLICOLOR", "CLICOLOR_FORCE",
+    "FORCE_COLOR", "NOTEBOOK_RUNS", "NOTEBOOK_REUSE",
+    # what inductor sets in a process that loads a compiled module, just before it loads one (a test that compiles
+    # in-process leaves it in the session's environment; a rank that compiles sets its own);
+    "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+    # read by Python as it starts: the leader applies it (sys.dont_write_bytecode);
+    "PYTHONDONTWRITEBYTECODE",
+}
 # and what importing torch adds (TORCHINDUCTOR_CACHE_DIR), if it has the server's value.
 SERVER = "DDP_TUTORIAL_FORKRUN_SERVER"  # the server's socket, set in the session's environment
 
@@ -181,7 +189,12 @@ def ask_server(nproc: int, port: str, script: str, args: list[str]) -> int | Non
     path = os.environ.get(SERVER)
     try:
         server = json.loads(Path(f"{path}.env").read_text()) if path else None
-        if server is None or server["env"] != comparable(dict(os.environ), server["added"]):
+        if server is None:
+            return None
+        mine = comparable(dict(os.environ), server["added"])
+        if differs := sorted(k for k in {*mine, *server["env"]} if mine.get(k) != server["env"].get(k)):
+            with open(f"{path}.unserved", "a") as log:  # the session's summary counts them (tests/conftest.py)
+                log.write(" ".join(differs) + "\n")
             return None
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         conn.connect(path)

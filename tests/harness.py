@@ -61,8 +61,9 @@ __all__ = ["ROOT", "RECIPES", "STAGES", "TORCHRUN", "Fault", "Job", "Run", "Step
 
 # Single-node torchrun and `python script` launches are run by tests/forkrun.py (forked from the session's import of
 # torch), unless a test watches the job (`during`: a fault to inject) or the module tests torchrun itself
-# (test_faults turns this off).
-FORK_RANKS = True
+# (test_faults turns FORK_RANKS off: its torchrun jobs run through torchrun; its `python script` ones are forked).
+FORK_RANKS = True  # torchrun's
+FORK_PYTHON = True  # python's
 FORKRUN = ROOT / "tests" / "forkrun.py"
 
 
@@ -71,11 +72,11 @@ def forked(cmds: list[list[str]]) -> list[list[str]]:
     `python script args` as its `python script args`; any other command (several nodes, more launcher flags such as
     --max-restarts, `python -c`) as it is."""
     head = [*TORCHRUN, "--standalone"]
-    if not FORK_RANKS or len(cmds) != 1:
+    if len(cmds) != 1:
         return cmds
     if len(cmds[0]) > 1 and cmds[0][0] == sys.executable and cmds[0][1].endswith(".py"):  # `python script args`
-        return [[sys.executable, str(FORKRUN), forkrun.PYTHON, *cmds[0][1:]]]
-    if cmds[0][:len(head)] != head:
+        return [[sys.executable, str(FORKRUN), forkrun.PYTHON, *cmds[0][1:]]] if FORK_PYTHON else cmds
+    if not FORK_RANKS or cmds[0][:len(head)] != head:
         return cmds
     nproc, *rest = cmds[0][len(head):]
     if not nproc.startswith("--nproc_per_node=") or not rest or rest[0].startswith("-"):
@@ -92,9 +93,10 @@ def fork_launches(module: ModuleType) -> None:
 
 
 @contextlib.contextmanager
-def forkrun_server(folder: Path) -> Iterator[None]:
+def forkrun_server(folder: Path) -> Iterator[Path]:
     """The session's forkrun server (tests/forkrun.py --serve): every forked launch whose environment is the
-    session's is forked from it, so torch is imported once per session instead of once per launch."""
+    session's is forked from it, so torch is imported once per session instead of once per launch. Yields the file
+    where each launch it did not serve writes the variables that kept it out, one line each."""
     import subprocess
     path = str(folder / "socket")
     with pytest.MonkeyPatch.context() as patch:
@@ -103,7 +105,7 @@ def forkrun_server(folder: Path) -> Iterator[None]:
             server = subprocess.Popen([sys.executable, str(FORKRUN), "--serve", path], env=clean_env(),
                                       stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         try:
-            yield
+            yield Path(f"{path}.unserved")
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(server.pid, signal.SIGKILL)  # the server, and any leader or rank still running

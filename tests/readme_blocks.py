@@ -211,15 +211,15 @@ HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def launch_shims(tmp: Path) -> Path:
-    """A folder holding a `torchrun` and a `python` for the READMEs' commands: `torchrun --standalone
-    --nproc_per_node=N script args` and `python script.py args` run through tests/forkrun.py (forked from the session's
-    one import of torch: each such torchrun command cost ~8 CPU-s more through torchrun, and the READMEs hold 43; each
-    `python script.py`, ~2.5 CPU-s of importing torch, 25 of them); any other form (several nodes, --max-restarts,
-    `python -c`, `python -m`) is torchrun's or Python's own. The tour (every stage, through torchrun itself) does not
-    use them, nor does the fault battery."""
+    """A folder holding a `torchrun`, a `python` and a `python3` for the READMEs' commands: `torchrun --standalone
+    --nproc_per_node=N script args` and `python script.py args` (or python3) run through tests/forkrun.py (forked from
+    the session's one import of torch: each such torchrun command cost ~8 CPU-s more through torchrun, and the READMEs
+    hold 43; each `python script.py`, the ~2.5 CPU-s of importing torch); any other form (several nodes,
+    --max-restarts, `python -c`, `python -m`) is torchrun's or Python's own. The tour (every stage, through torchrun
+    itself) does not use them, nor does the fault battery."""
     shim = tmp / "launch_shims"
     shim.mkdir()
-    for name, form in [("torchrun", "--torchrun"), ("python", "--python")]:
+    for name, form in [("torchrun", "--torchrun"), ("python", "--python"), ("python3", "--python")]:
         (shim / name).write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(FORKRUN))} '
                                  f'{form} "$@"\n')
         (shim / name).chmod(0o755)

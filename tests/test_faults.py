@@ -752,7 +752,10 @@ def mounted(path: Path, options: str) -> Iterator[bool]:
 
 @pytest.fixture(scope="module", autouse=True)
 def real_torchrun() -> Iterator[None]:
-    """Every launch here through torchrun itself (harness.forked): how the real launcher ends a job is tested here."""
+    """Every torchrun job here through torchrun itself (harness.forked): how the real launcher ends a job is tested
+    here. A `python script` launch no fault watches (a bad value, a spoilt snapshot, a full disk, the snapshots the
+    cases start from) is still forked from the session's import of torch: the script runs as `python script` would
+    run it (tests/test_forkrun.py), and there is no launcher to test (~80 CPU-s less)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(harness, "FORK_RANKS", False)
         yield
