@@ -64,11 +64,14 @@ class Profile:
                 record = self.procs.get((pid, started))
                 if record is None:
                     parent = self.procs.get((ppid, stats.get(ppid, (0, 0, 0))[1]))
-                    record = self.procs[(pid, started)] = {"owner": self.owner_of(pid, parent), "cpu": cpu,
+                    # a leader: a child of the session's forkrun server (itself a child of this process)
+                    leader = stats.get(ppid, (0,))[0] == os.getpid() and "forkrun.py --serve" in (parent or {}).get(
+                        "command", "")
+                    record = self.procs[(pid, started)] = {"owner": self.owner_of(pid, parent, leader), "cpu": cpu,
                                                            "command": self.command(pid)}
                 record["cpu"] = max(record["cpu"], cpu)
 
-    def owner_of(self, pid: int, parent: dict | None) -> str:
+    def owner_of(self, pid: int, parent: dict | None, leader: bool = False) -> str:
         try:
             for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
                 if item.startswith(f"{tour.JOB_TAG}=".encode()):
@@ -82,6 +85,8 @@ class Profile:
                     return owner
         except OSError:
             pass
+        if leader:  # a job launched where clean_env is not this process's: a notebook's kernel
+            return "forked jobs of the notebooks' kernels"
         return parent["owner"] if parent is not None else self.owner
 
     @staticmethod
