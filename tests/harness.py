@@ -61,9 +61,8 @@ __all__ = ["ROOT", "RECIPES", "STAGES", "TORCHRUN", "Fault", "Job", "Run", "Step
 
 # Single-node torchrun and `python script` launches are run by tests/forkrun.py (forked from the session's import of
 # torch), unless a test watches the job (`during`: a fault to inject) or the module tests torchrun itself
-# (test_faults turns FORK_RANKS off: its torchrun jobs run through torchrun; its `python script` ones are forked).
-FORK_RANKS = True  # torchrun's
-FORK_PYTHON = True  # python's
+# (test_faults turns this off: its torchrun jobs run through torchrun; `python script` launches are forked still).
+FORK_RANKS = True
 FORKRUN = ROOT / "tests" / "forkrun.py"
 
 
@@ -75,7 +74,7 @@ def forked(cmds: list[list[str]]) -> list[list[str]]:
     if len(cmds) != 1:
         return cmds
     if len(cmds[0]) > 1 and cmds[0][0] == sys.executable and cmds[0][1].endswith(".py"):  # `python script args`
-        return [[sys.executable, str(FORKRUN), forkrun.PYTHON, *cmds[0][1:]]] if FORK_PYTHON else cmds
+        return [[sys.executable, str(FORKRUN), forkrun.PYTHON, *cmds[0][1:]]]
     if not FORK_RANKS or cmds[0][:len(head)] != head:
         return cmds
     nproc, *rest = cmds[0][len(head):]

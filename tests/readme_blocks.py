@@ -14,9 +14,9 @@ under a time limit. A comment line just before a block can say how:
 
 Several may be combined with ";". The one change made to a command: ports written as 29xxx become
 free ports (the same one for the same number within a file), since the tests never use a fixed port. And one to
-how it runs: `torchrun` and `python` are launch_shims', which fork `torchrun --standalone --nproc_per_node=N script`
-jobs' ranks and `python script.py` from the session's import of torch (tests/forkrun.py) and hand every other form
-to torchrun or Python.
+how it runs: `torchrun` and `python` (`python3`) are launch_shims', which fork `torchrun --standalone
+--nproc_per_node=N script` jobs' ranks and `python script.py` from the session's import of torch (tests/forkrun.py)
+and hand every other form to torchrun or Python.
 """
 from __future__ import annotations
 

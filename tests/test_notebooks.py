@@ -35,7 +35,7 @@ TEXT_FORMAT = "py:percent"
 
 
 # Run on each kernel before the notebook's cells: the notebook's launches through harness.forked, as the other tests'
-# (forked from the session's one import of torch; ~10 CPU-s less each). A reader's kernel runs torchrun itself.
+# (forked from the session's one import of torch: a torchrun job ~8 CPU-s less). A reader's kernel runs torchrun.
 FORKED_LAUNCHES = f"""\
 import sys as _sys
 _sys.path.insert(0, {str(ROOT / "tests")!r})
