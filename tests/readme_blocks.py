@@ -135,13 +135,21 @@ PROBE = (sys.executable, "-c", "import torch")  # a trivial launch: what every p
 PROBE_LIMIT = 600  # only for the probe itself, which has nothing to be measured against: an interpreter that hangs
 PROBE_REUSE = 120.0
 LAUNCHER = re.compile(r"(?<![\w-])(?:python3?|torchrun|jupytext)\b")  # a command that starts a program
+SBATCH = re.compile(r"(?<![\w-])sbatch\b.*?(\S+\.sbatch)")  # a command that submits a job script
 LIMITS: dict[str, str] = {}  # block id: how its limit was made (test_readme_commands says it when one is reached)
 
 
 def launches(block: Block) -> int:
     """Programs `block` starts: each command line that runs Python (torchrun's workers start at once, so a torchrun
-    counts one), and for the tour each of its runs (its plan on the CPU, and the Slurm run)."""
+    counts one), one per node for a Slurm job it submits (a torchrun on each, the nodes sharing this machine's cores;
+    counted as none before, the Slurm block's job once took 77 s under CI's load, 23 s in the CI before, against a
+    limit of 40 x 1 x 2.3 s), and for the tour each of its runs (its plan on the CPU, and the Slurm run)."""
     count = sum(1 for command in block.commands() if LAUNCHER.search(command))
+    for command in block.commands():
+        if found := SBATCH.search(command):
+            nodes = re.search(r"--nodes[= ](\d+)", command) or \
+                re.search(r"^#SBATCH --nodes=(\d+)", (ROOT / found.group(1)).read_text(), re.M)
+            count += int(nodes.group(1)) if nodes else 1
     if "tour.py" in block.body:
         count += len(plan(2, 32, device="cpu", gpus=0)) + 1
     return max(count, 1)
