@@ -83,12 +83,24 @@ def forked(cmds: list[list[str]]) -> list[list[str]]:
     return [[sys.executable, str(FORKRUN), nproc.split("=", 1)[1], str(free_port()), *rest]]
 
 
+def served(cmds: list[list[str]], env: dict[str, str] | None) -> tuple[list[list[str]], dict[str, str] | None]:
+    """forked(cmds), and the environment to run them in: a forked launch gets one intra-op thread unless the caller
+    says otherwise (what torchrun gives its workers, what the tests' shared cores want, and the thread count the
+    session's server imported torch with: a launch with another is not served)."""
+    launched = forked(cmds)
+    return launched, env if launched == cmds else {"OMP_NUM_THREADS": "1", **(env or {})}
+
+
 def fork_launches(module: ModuleType) -> None:
-    """`module.run_job` (tour.run_job, as notebooks/nbtools.py imports it) through forked(): a notebook's kernel runs
+    """`module.run_job` (tour.run_job, as notebooks/nbtools.py imports it) through served(): a notebook's kernel runs
     this before the notebook (tests/test_notebooks.py), so its launches go the way the tests' do; what the notebook
     prints of each command is unchanged."""
     run_job = module.run_job
-    module.run_job = lambda cmds, *args, **kwargs: run_job(forked(cmds), *args, **kwargs)
+
+    def run_served(cmds: list[list[str]], out: Path | None = None, env: dict[str, str] | None = None, *args, **kwargs):
+        cmds, env = served(cmds, env)
+        return run_job(cmds, out, env, *args, **kwargs)
+    module.run_job = run_served
 
 
 @contextlib.contextmanager
@@ -120,7 +132,9 @@ def launch(step: Step, out: Path | None = None, script: Path | None = None, time
 def launch_commands(cmds: list[list[str]], out: Path | None = None, env: dict[str, str] | None = None,
                     timeout: float = 120.0, during: Callable[[Job], None] | None = None) -> Run:
     """Run one command per node; fail the test if the job outlives `timeout` (it is killed, workers too)."""
-    run = run_job(forked(cmds) if during is None else cmds, out, env, timeout, during=during)
+    if during is None:
+        cmds, env = served(cmds, env)
+    run = run_job(cmds, out, env, timeout, during=during)
     if run.returncode is None:
         pytest.fail(f"timed out after {timeout:.0f}s (job killed)\n{run.describe()}")
     return run
