@@ -15,6 +15,8 @@ same). The copy's `.venv` is the environment these tests run in (~40 s saved: in
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from harness import ROOT
@@ -64,6 +66,17 @@ def test_the_set_up_line_is_the_test_commands_own():
     (test_command,) = [b for b in COMMANDS if b.marker.get("not-run") == "is the test command itself"]
     assert set_up.doc == test_command.doc == ROOT / "README.md"
     assert test_command.commands()[0].startswith(set_up.commands()[0] + " && "), (set_up.body, test_command.body)
+
+
+def test_a_script_that_launches_jobs_says_how_many_programs_its_block_starts():
+    """A block's time limit counts the programs it starts (readme_blocks.launches): a script that runs jobs of its own
+    (tour.run_job, subprocess.Popen) would count as one, so its blocks say how many in their marker. The tour's runs
+    are counted from its plan; mp.spawn's ranks start at once, as torchrun's workers do, and count with their script."""
+    launching = re.compile(r"\b(?:run_job|subprocess\.(?:Popen|run))\(")
+    unsaid = [(b.id, script) for b in COMMANDS if not why_skipped(b) and "launches" not in b.marker
+              for script in re.findall(r"(?<![\w/.-])([\w/.-]+\.py)\b", b.body)
+              if script != "tour.py" and (ROOT / script).is_file() and launching.search((ROOT / script).read_text())]
+    assert not unsaid, f"say how many programs these blocks start in all (<!-- launches: N (why) -->): {unsaid}"
 
 
 @pytest.mark.parametrize("block", COMMANDS, ids=[b.id for b in COMMANDS])
