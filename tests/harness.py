@@ -4,9 +4,10 @@ Every launch runs in its own process group with a time limit (the job is killed 
 fails instead of hanging), never on a fixed port (stage 03 picks a free one; torchrun runs
 --standalone, which binds port 0; forkrun takes a free one), and reports processes that outlived the launcher.
 One difference, for the suite's time: a single-node `torchrun --standalone` job, or a `python script` one, that
-no test watches runs forked from the session's one import of torch (tests/forkrun.py, see forked() and
-forkrun_server()): the same script, environment and ranks, without a start-up per launch (CONTRIBUTING, "Where the
-time goes"); torchrun itself runs in the tour and the fault battery, and for the READMEs' other forms.
+no test watches runs forked from the session's one import of torch (tests/forkrun.py, see forked(), served() and
+forkrun_server()): the same script, environment and ranks, without a start-up per launch, with one intra-op thread
+unless the test sets OMP_NUM_THREADS (CONTRIBUTING, "Where the time goes"); torchrun itself runs in the tour and
+the fault battery, and for the READMEs' other forms.
 """
 from __future__ import annotations
 

@@ -58,13 +58,18 @@ def alive(pid: int) -> bool:
 
 
 def test_python_launch_is_served_with_its_output_arguments_and_exit_status(tmp_path):
-    path = script(tmp_path, "sys.exit(3)\n")
-    cmds = forked([[sys.executable, str(path), "--flag", "x"]])
+    path = script(tmp_path, "print('threads', os.environ.get('OMP_NUM_THREADS'))\nsys.exit(3)\n")
+    cmd = [sys.executable, str(path), "--flag", "x"]
+    cmds, env = harness.served([cmd], None)
     assert cmds[0][:3] == [sys.executable, str(FORKRUN), "python"], cmds
-    run = run_job(cmds, env={"OMP_NUM_THREADS": "1"}, timeout=60)  # as Step.env for python: the server's too
+    assert env == {"OMP_NUM_THREADS": "1"}, env  # the server's thread count, where the test sets none
+    assert harness.served([cmd], {"OMP_NUM_THREADS": "2"})[1] == {"OMP_NUM_THREADS": "2"}  # a test's own stays
+    assert harness.served([["bash", "-c", "true"]], None) == ([["bash", "-c", "true"]], None)  # not forked: as it is
+    run = harness.launch_commands([cmd], timeout=60)
     assert run.returncode == 3 and not run.survivors, run.describe()
     assert "rank - of - pid" in run.stdout and "served True agent False args ['--flag', 'x']" in run.stdout, \
         run.describe()
+    assert "threads 1" in run.stdout, run.describe()
 
 
 def test_torchrun_job_is_served_with_torchruns_ranks(tmp_path):
