@@ -11,6 +11,7 @@ under a time limit. A comment line just before a block can say how:
     <!-- run: as root -->               skipped unless root (network namespaces)
     <!-- run: with slurm -->            skipped where Slurm cannot run (see tour.slurm_missing)
     <!-- expect: <text> -->             the output must contain <text>
+    <!-- launches: N (why) -->          the block starts N programs in all (its time limit counts them: see launches())
 
 Several may be combined with ";". The one change made to a command: ports written as 29xxx become
 free ports (the same one for the same number within a file), since the tests never use a fixed port. And one to

@@ -34,7 +34,7 @@ CELL_TIMEOUT = 600
 TEXT_FORMAT = "py:percent"
 
 
-# Run on each kernel before the notebook's cells: the notebook's launches through harness.forked, as the other tests'
+# Run on each kernel before the notebook's cells: the notebook's launches through harness.served, as the other tests'
 # (forked from the session's one import of torch: a torchrun job ~8 CPU-s less). A reader's kernel runs torchrun.
 FORKED_LAUNCHES = f"""\
 import sys as _sys
