@@ -232,13 +232,14 @@ GPU_PATH = re.compile(r"torch\.cuda|[\"']cuda")  # a script that can run on a GP
 
 def clock_reads(tree: ast.AST) -> list[tuple[int, bool]]:
     """(line, waits for the GPU) of every time.perf_counter() call: waits when the function it is in calls
-    torch.cuda.synchronize (as the stages' clock() does); a read at module level never waits."""
+    torch.cuda.synchronize on an earlier line (as the stages' clock() does); a read at module level never waits.
+    (time.monotonic() times whole jobs from the parent process, which runs no CUDA: tour.py, the benchmarks.)"""
     def calls(node: ast.AST, name: str) -> list[ast.Call]:
         return [n for n in ast.walk(node) if isinstance(n, ast.Call) and ast.unparse(n.func) == name]
     reads = []
     for func in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]:
-        waits = bool(calls(func, "torch.cuda.synchronize"))
-        reads += [(c.lineno, waits) for c in calls(func, "time.perf_counter")]
+        syncs = [c.lineno for c in calls(func, "torch.cuda.synchronize")]
+        reads += [(c.lineno, any(line < c.lineno for line in syncs)) for c in calls(func, "time.perf_counter")]
     inside = {line for line, _ in reads}
     return reads + [(c.lineno, False) for c in calls(tree, "time.perf_counter") if c.lineno not in inside]
 
@@ -252,3 +253,39 @@ def test_every_clock_read_on_a_gpu_path_waits_for_the_gpu(path):
     scripts that never touch CUDA are left out."""
     unsynced = [line for line, waits in clock_reads(ast.parse(path.read_text())) if not waits]
     assert not unsynced, f"{path.relative_to(ROOT)}: clock read without waiting for the GPU at lines {unsynced}"
+
+
+def device_first(tree: ast.AST) -> list[int]:
+    """Lines of dist.init_process_group calls not preceded, in their function, by torch.cuda.set_device: NCCL binds
+    each rank's communicator to the current device, so a rank that sets it later also works on GPU 0."""
+    late = []
+    for func in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]:
+        found = {name: [n.lineno for n in ast.walk(func) if isinstance(n, ast.Call) and ast.unparse(n.func) == name]
+                 for name in ("torch.cuda.set_device", "dist.init_process_group")}
+        late += [line for line in found["dist.init_process_group"]
+                 if not any(first < line for first in found["torch.cuda.set_device"])]
+    return sorted(set(late))
+
+
+@pytest.mark.parametrize("path", [p for p in sorted(ROOT.rglob("*.py")) if not ({"tests", ".venv", "runs"} &
+                                  set(p.relative_to(ROOT).parts)) and GPU_PATH.search(p.read_text())
+                                  and "init_process_group(" in p.read_text()],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_script_that_can_run_on_a_gpu_sets_its_device_before_joining_the_group(path):
+    late = device_first(ast.parse(path.read_text()))
+    assert not late, f"{path.relative_to(ROOT)}: init_process_group before torch.cuda.set_device at lines {late}"
+
+
+def test_the_device_check_sees_a_group_joined_first():
+    source = ("def good(device):\n    torch.cuda.set_device(device)\n    dist.init_process_group('nccl')\n"
+              "def bad(device):\n    dist.init_process_group('nccl')\n    torch.cuda.set_device(device)\n")
+    assert device_first(ast.parse(source)) == [5]
+
+def test_the_clock_check_sees_a_read_that_does_not_wait():
+    """The check above, on reads it must flag: one with no synchronize, one before it, one at module level."""
+    source = ("import time, torch\n"
+              "def clock():\n    torch.cuda.synchronize()\n    return time.perf_counter()\n"
+              "def unsynced():\n    return time.perf_counter()\n"
+              "def late():\n    t = time.perf_counter()\n    torch.cuda.synchronize()\n    return t\n"
+              "START = time.perf_counter()\n")
+    assert sorted(clock_reads(ast.parse(source))) == [(4, True), (6, False), (8, False), (11, False)]
