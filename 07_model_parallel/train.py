@@ -113,13 +113,17 @@ class Trainer:
         if snapshot is not None:
             self._load_snapshot(snapshot)
 
+    def _cuda_devices(self) -> list[torch.device]:
+        # Dropout on a GPU draws from that GPU's own generator: one per device the model is on (two in 07).
+        return sorted({p.device for p in self.model.parameters() if p.device.type == "cuda"}, key=lambda d: d.index)
+
     def _load_snapshot(self, snapshot: dict) -> None:
         # Every rank loads the same state, so the replicas stay identical.
         self.model.module.load_state_dict(snapshot["model"])
         self.optimizer.load_state_dict(snapshot["optimizer"])
         torch.set_rng_state(snapshot["rng_state"].cpu())
-        if snapshot.get("cuda_rng_state") is not None and self.device.type == "cuda":  # dropout on a GPU draws here
-            torch.cuda.set_rng_state(snapshot["cuda_rng_state"].cpu(), self.device)
+        for device, state in zip(self._cuda_devices(), snapshot.get("cuda_rng_states", []), strict=False):
+            torch.cuda.set_rng_state(state.cpu(), device)
         self.epochs_run, self.losses, self.steps = snapshot["epochs_run"], list(snapshot["losses"]), snapshot["steps"]
 
     def _save_snapshot(self) -> None:
@@ -128,7 +132,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),  # SGD's momentum buffers: needed for an exact resume
             "epochs_run": self.epochs_run, "losses": self.losses, "steps": self.steps,
             "rng_state": torch.get_rng_state(),  # the data order comes from seed + epoch; this covers the rest
-            "cuda_rng_state": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
+            "cuda_rng_states": [torch.cuda.get_rng_state(device) for device in self._cuda_devices()],
             "seed": self.seed, "global_batch": self.train_loader.batch_size * dist.get_world_size(),
             "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
         }

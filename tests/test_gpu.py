@@ -4,7 +4,7 @@ Every stage runs as the tour runs it (tour.plan, float64, its launchers, each la
 port) and is checked as the tour checks it: each epoch replays with stage 01's code (on the CPU) to sqrt(eps),
 and it ends at the weights of stage 01 run on the same GPU. float64 rounds ~1e-16 on GPUs too, so the CPU's
 tolerance holds.
-- one GPU (the first, alone visible): the single-process runs, and 03-09 as one process on it (DDP and
+- one GPU (the first, alone visible): the single-process runs, and 03-10 as one process on it (DDP and
   FSDP on nccl, 07 with both halves of the model on it); float16 autocast with a GradScaler;
 - two or more: the same with W processes (W = 2, or 4 with 4 or more GPUs; the first W visible), nccl;
   02's DataParallel split over the W GPUs; 07 with two GPUs per process; SyncBatchNorm; the DataParallel

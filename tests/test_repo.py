@@ -198,7 +198,7 @@ def test_every_recipe_is_in_the_recipes_readme():
 # full-disk cases run on the first of each pair alone (each case launches a process, ~4 CPU-s).
 SHARED_SNAPSHOT_CODE = {
     ("06_checkpoint", "07_model_parallel"): ["load_snapshot", "SnapshotError", "Trainer._load_snapshot",
-                                             "Trainer._save_snapshot"],
+                                             "Trainer._save_snapshot", "Trainer._cuda_devices"],
     ("08_fsdp", "09_tensor_parallel"): ["load_snapshot", "checkpoints", "MetadataUnpickler", "SnapshotError"],
     # 11 checks its own snapshot's fields (tests/test_gpt.py), with 08's reading, listing and refusing code.
     ("08_fsdp", "11_gpt"): ["checkpoints", "MetadataUnpickler", "SnapshotError", "failed_save", "check_checkpoint_arg"],
