@@ -34,6 +34,7 @@ import io
 import math
 import os
 import re
+import statistics
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from unittest import mock
@@ -493,8 +494,14 @@ def test_the_scaling_benchmark_writes_its_table_and_figure(readme_runs):
         rows = list(csv.DictReader(f))
     assert [(r["setting"], r["processes"], r["dp"], r["tp"]) for r in rows] == \
         [("1 process, 1 thread", "1", "1", "1"), ("DDP, W = 2", "2", "2", "1")], rows
-    assert all(float(r["tokens_per_s"]) > 0 and float(r["model_state_mib_per_rank"]) > 0 for r in rows), rows
-    assert float(rows[0]["efficiency"]) == 1.0 and int(rows[1]["global_batch"]) == 2 * int(rows[0]["global_batch"])
+    assert int(rows[1]["global_batch"]) == 2 * int(rows[0]["global_batch"])
+    base = float(rows[0]["tokens_per_s"])
+    for r in rows:  # the speed is the median of the rounds' speeds it prints, and the efficiency is of those speeds
+        assert float(r["tokens_per_s"]) == pytest.approx(statistics.median(map(float, r["rounds"].split())), abs=0.5), r
+        assert int(r["tokens_per_step"]) == int(r["global_batch"]) * 64, r  # --quick's context
+        # DDP keeps every parameter whole with its gradient and AdamW's two moments: 4 float32 numbers each
+        assert float(r["model_state_mib_per_rank"]) == pytest.approx(int(r["parameters"]) * 16 / 2**20, rel=1e-5), r
+        assert float(r["efficiency"]) == pytest.approx(float(r["tokens_per_s"]) / (int(r["cores"]) * base), rel=1e-4), r
     for r in rows:  # the MFU is of the table's own tokens/s, over the peak the run measured
         mfu = float(r["tokens_per_s"]) * float(r["flops_per_token"]) / (float(r["peak_gflops"]) * 1e9)
         assert float(r["mfu"]) == pytest.approx(mfu, rel=1e-4) and 0 < mfu < 1, r
