@@ -185,4 +185,8 @@ def test_without_join_the_job_fails_at_once_and_never_hangs(tmp_path):
     stopped = re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: -15 ", run.stderr)
     assert f"[{RECIPE}] rank 1: {hint}" in run.stderr or stopped, run.describe()
     assert started.at is not None, run.describe()
-    assert run.seconds - started.at < timeout + 10, f"ended {run.seconds - started.at:.1f}s after it started"
+    # Past its start the job may wait --timeout at most, plus its exits: fewer than two start-ups (the launcher's and
+    # its workers' imports and group, which this very job just took started.at to do), whatever the machine's pace.
+    margin = 2 * started.at
+    assert run.seconds - started.at < timeout + margin, \
+        f"ended {run.seconds - started.at:.1f}s after it started ({started.at:.1f}s), past {timeout} + {margin:.1f}s"
