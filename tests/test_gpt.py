@@ -394,9 +394,9 @@ def test_compile_computes_the_eager_training(runs):
     assert shared == [0, 3] and worst <= TOL, f"compiled vs eager: {worst:.2e}"
 
 
-@pytest.mark.parametrize("stage", ["10_pipeline_parallel", STAGE])
+@pytest.mark.parametrize("stage", ["10_pipeline_parallel", STAGE, "12_context_parallel"])
 def test_the_oldest_torch_it_accepts_is_accepted(stage, monkeypatch, capsys):
-    """The control of test_faults' refusal of torch 2.5.1 for 10 and 11 (their top-of-file check, then check_args):
+    """The control of test_faults' refusal of torch 2.5.1 for 10-12 (their top-of-file check, then check_args):
     2.6.0, the minimum NEEDS_TORCH names, gets past both, so a check that refused every version fails here. (Stage
     10's case lives here too: test_faults.py, which holds the refusals, is edited by others; it belongs beside them.)"""
     from torch.torch_version import TorchVersion
