@@ -21,7 +21,8 @@ States are compared whole (weights and both AdamW moments) at every step where b
 them every step's loss and gradient norm, within sqrt(eps) of float64 (1.5e-8; correct runs differ by ~1e-14); the
 resumed single process bit for bit. Bad input is
 checked in this process, through main() up to where it would join a group; so are the rows each dp rank takes
-(Trainer._run_step itself, on a stand-in model) and the dtype bf16 autocast computes the matmuls in. The scaling
+(Trainer._run_step itself, on a stand-in model), the dtype bf16 autocast computes the matmuls in, and the
+dtypes FSDP2's mixed-precision policy computes and reduces in under --amp bf16 --parallel fsdp. The scaling
 benchmark's check reads the run of its quick command in 11_gpt/README.md (the readme_run marker), which the README
 test runs anyway. The compiled run costs the most here (~35 CPU-s with a cold inductor cache, most of it gcc).
 """
@@ -43,7 +44,7 @@ import pytest
 import torch
 
 from conftest import readme_run
-from harness import ROOT, Run, Step, check, clean_env, launch, load_stage, mutate, tolerance
+from harness import ROOT, Run, Step, check, clean_env, group_of_one, launch, load_stage, mutate, tolerance
 
 STAGE = "11_gpt"
 TOL = tolerance("float64")
@@ -393,6 +394,44 @@ def test_compile_computes_the_eager_training(runs):
     worst, shared = compare(run, runs["one"])
     assert shared == [0, 3] and worst <= TOL, f"compiled vs eager: {worst:.2e}"
 
+
+
+def test_bf16_with_fsdp_computes_with_bfloat16_weights_and_steps_float32_shards():
+    """--amp bf16 --parallel fsdp: FSDP2's MixedPrecisionPolicy, not autocast alone. Every linear layer computes
+    with bfloat16 weights (what the all-gather hands over: half the bytes), while the shards the optimizer steps stay
+    float32 and their gradients are reduced in float32 (reduce_dtype: the buffer FSDP2 packs them into for the
+    reduce-scatter, fsdp.chunk_cat's output); without --amp (the control) the layers compute with float32 weights.
+    (One rank, in this process: the casts are the policy's, whatever W.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reduced(TorchDispatchMode):  # the dtype of the buffer the gradients are packed into for the reduce-scatter
+        def __init__(self) -> None:
+            super().__init__()
+            self.dtypes: set[torch.dtype] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func).startswith("fsdp.chunk_cat"):
+                self.dtypes.add(kwargs["out"].dtype)
+            return func(*args, **(kwargs or {}))
+
+    gpt = load_stage(STAGE)
+    seen = {}
+    with group_of_one():
+        mesh = gpt.make_mesh(torch.device("cpu"), (1, 1), ("dp", "tp"), 60)
+        for amp in ("bf16", None):
+            torch.manual_seed(0)
+            model = gpt.parallelize(gpt.GPT(gpt.Config(65, 32, 2, 2, 32)),
+                                    mesh, SimpleNamespace(tp=1, compile=False, parallel="fsdp", amp=amp))
+            computed: set[torch.dtype] = set()
+            for layer in [m for m in model.modules() if isinstance(m, torch.nn.Linear)]:
+                layer.register_forward_pre_hook(lambda mod, _, into=computed: into.add(mod.weight.dtype))
+            idx = torch.randint(0, 65, (2, 32), generator=torch.Generator().manual_seed(0))
+            with Reduced() as reduced:
+                model(idx).float().logsumexp(-1).mean().backward()
+            seen[amp] = (computed, reduced.dtypes, {p.dtype for p in model.parameters()},
+                         {p.grad.dtype for p in model.parameters()})
+    assert seen["bf16"] == ({torch.bfloat16}, {torch.float32}, {torch.float32}, {torch.float32}), seen
+    assert seen[None] == ({torch.float32}, {torch.float32}, {torch.float32}, {torch.float32}), seen
 
 @pytest.mark.parametrize("stage", ["10_pipeline_parallel", STAGE, "12_context_parallel"])
 def test_the_oldest_torch_it_accepts_is_accepted(stage, monkeypatch, capsys):
