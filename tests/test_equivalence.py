@@ -3,9 +3,14 @@
 Checked as the tour checks it (harness.assert_same_training): every epoch a run recorded replays
 with stage 01's own code to within sqrt(eps) of its dtype, and its final weights match stage 01's.
 The negative controls show the check is sharp enough to fail: drop set_epoch, shrink the real
-batch, change the initial weights, or remove DDP, and the replay (or the replicas) differ by far more.
+batch, change the initial weights, or remove DDP, and the replay (or the replicas) differ by far more; and
+tour.py's own verdict, handed the run without set_epoch, fails.
 """
 from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -63,10 +68,41 @@ def replay_of_mutant(stage: str, old: str, new: str, tmp_path, step: Step | None
     return replay_error(run.summary, run.trajectory), run
 
 
-def test_without_set_epoch_the_replay_fails(runs, tmp_path):
-    replay, run = replay_of_mutant("03_ddp_spawn", "self.train_loader.sampler.set_epoch(epoch)", "pass", tmp_path)
+@pytest.fixture(scope="module")
+def no_set_epoch(tmp_path_factory: pytest.TempPathFactory) -> tuple[float, Run]:
+    """Stage 03 without set_epoch: every epoch shuffles as the first did."""
+    return replay_of_mutant("03_ddp_spawn", "self.train_loader.sampler.set_epoch(epoch)", "pass",
+                            tmp_path_factory.mktemp("no_set_epoch"))
+
+
+def test_without_set_epoch_the_replay_fails(runs, no_set_epoch):
+    replay, run = no_set_epoch
     assert replay > BUG > tolerance(DTYPE)
     assert max_abs_diff(runs["01"].model, run.model) > BUG
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["03", "03-without-set-epoch"])
+def test_the_tours_verdict_fails_on_a_broken_stage(runs, no_set_epoch, broken, tmp_path, monkeypatch, capsys):
+    """tour.main itself, its plan cut to stage 01 and stage 03, handed the runs made above instead of launching
+    them again: with the real 03 it says every stage computed stage 01's training and exits 0; with the copy
+    without set_epoch it prints the table, says FAILED and exits 1."""
+    import tour
+    made = {"01_single_gpu": runs["01"], "03_ddp_spawn": no_set_epoch[1] if broken else runs["03"]}
+    monkeypatch.setattr(tour, "plan", lambda *args, **kwargs: [CONFIGS["01"], CONFIGS["03"]])
+    monkeypatch.setattr(tour, "slurm_missing", lambda: "not in this test")
+
+    def handed_over(cmds: list[list[str]], out: Path, *args, **kwargs) -> Run:
+        run = next(run for stage, run in made.items() if f"{stage}/train.py" in " ".join(cmds[0]))
+        shutil.copytree(run.out, out, dirs_exist_ok=True)
+        return replace(run, out=out)
+    monkeypatch.setattr(tour, "run_job", handed_over)
+    code = tour.main(["--dtype", DTYPE, "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert printed.count("03_ddp_spawn") == 2, printed  # its line as it ran, and its row
+    if broken:
+        assert code == 1 and "\nFAILED: see above" in printed, printed
+    else:
+        assert code == 0 and "\nevery stage computed stage 01's training" in printed, printed
 
 
 def test_a_smaller_real_batch_than_reported_fails(runs, tmp_path):
