@@ -14,13 +14,15 @@ one of three honest ways, never in a traceback, a hang or a silently different t
 - **own**: a recipe whose training is not stage 01's by design (bf16 autocast, a model with BatchNorm, uneven
   ranks, your own model): it must still end cleanly at these settings, say in its first lines what differs, and
   learn;
-- **refuse**: one line on stderr naming the flag, exit 2, before training.
+- **refuse**: one line on stderr naming the flag (the same on every rank), before training, and the whole job ends
+  (REFUSED: W = 4 with three pipeline stages).
 
 Which settings: in CI a covering table over one script for each way of reading the data and taking a step
 (CI_SCRIPTS: 13 of the 21), each once at settings chosen so that every pair of values of (W, batch per process,
 dtype, seed and learning rate) appears somewhere in the table (a greedy pairwise cover, `covering()`), plus the rows
-that only some scripts have (pipeline and tensor-parallel layouts, resuming on another W): 16 rows, 17 launches,
-2.6 minutes on 2 cores alone (4.9 CPU-minutes; measured 2026-11-25).
+that only some scripts have (pipeline and tensor-parallel layouts, resuming on another W) and the refused one: 17
+rows, 18 launches, 41 s on 2 cores alone (1.3 CPU-minutes; measured 2026-11-27, the launches forked from the
+suite's server, tests/forkrun.py).
 `pytest tests/test_settings.py --sweep=full` runs the full grid instead: every script at every combination its
 layout allows, every layout, resuming both ways (1,030 launches: 2 to 3 hours on 2 cores, at ~16 CPU-s a launch).
 """
@@ -61,12 +63,12 @@ class Setting:
     extra: tuple[str, ...] = ()
     variant: int = 0  # which of the script's layouts (pipeline and tensor-parallel degrees): see layout()
     resume_from: int | None = None  # a first run at this W writes a checkpoint; this run resumes it at `world`
-    says: str = ""  # "own": what the run's first lines must say about how its training differs
+    says: str | None = None  # "own": what its first lines say of how its training differs; "refuse": its error
 
     @property
     def id(self) -> str:
         resume = f"-resumed-from-W{self.resume_from}" if self.resume_from else ""
-        flags = " ".join(layout(self.script, self.world, self.variant)[0])
+        flags = " ".join((*layout(self.script, self.world, self.variant)[0], *self.extra))
         return (f"{self.script.removesuffix('.py').replace('/', '.')}-W{self.world}{resume}-b{self.batch}-"
                 f"{self.dtype}-s{self.seed}-lr{self.lr:g}{(' ' + flags) if flags else ''}")
 
@@ -80,9 +82,13 @@ LAUNCHED = ("04_ddp_torchrun", "06_checkpoint", "07_model_parallel", "08_fsdp", 
             "recipes/grad_accumulation", "recipes/mixed_precision", "recipes/sync_batchnorm", "recipes/uneven_inputs",
             "your_model/fsdp.py")  # (your_model/ddp.py's sampler and note are fsdp.py's, line for line)
 SCRIPTS = (*SINGLE, "03_ddp_spawn", "05_multinode", *LAUNCHED)  # LAUNCHED: by torchrun
-# Training that is not stage 01's by design, and what the run's first lines say about it.
+# Training that is not stage 01's by design, and what the run's first lines say about it (your_model's scripts train
+# another model on other data, as a learner's own script would: they say nothing of stage 01, and must learn).
 OWN = {"recipes/mixed_precision": "autocast bfloat16", "recipes/sync_batchnorm": "with a BatchNorm",
-       "recipes/uneven_inputs": "samples per rank", "your_model/ddp.py": "", "your_model/fsdp.py": ""}
+       "recipes/uneven_inputs": "samples per rank", "your_model/ddp.py": None, "your_model/fsdp.py": None}
+# A setting nothing honest can run: W = 4 with three pipeline stages (pp must divide W). Refused in one line.
+REFUSED = Setting("10_pipeline_parallel", 4, 24, "float64", 7, 0.02, expect="refuse", extra=("--pp", "3"),
+                  says="10_pipeline_parallel/train.py: error: argument --pp: 3 must divide the world size 4")
 # Flags a script needs at a setting, and how many processes share one batch (tp or pp ranks see the same samples).
 RESUMABLE = {"06_checkpoint": "s.pt", "08_fsdp": "ck"}  # --snapshot: a file, a directory
 
@@ -186,7 +192,7 @@ def grid() -> list[dict]:
 def setting(script: str, combo: dict, **more) -> Setting:
     seed, lr = combo["seed_lr"]
     return Setting(script, combo["world"], combo["batch"], combo["dtype"], seed, lr,
-                   expect="own" if script in OWN else "replay", says=OWN.get(script, ""), **more)
+                   expect="own" if script in OWN else "replay", says=OWN.get(script), **more)
 
 
 def layouts() -> list[Setting]:
@@ -201,7 +207,7 @@ def layouts() -> list[Setting]:
             rows.append(setting(script, combo, variant=variant))
     # A snapshot of W = 3 (batch 32 each: 96 a step) resumed by W = 4 (24 each: the same 96).
     rows.append(Setting("06_checkpoint", 4, 24, "float64", 5, 0.05, resume_from=3))
-    return rows
+    return [*rows, REFUSED]
 
 
 def full() -> list[Setting]:
@@ -211,7 +217,7 @@ def full() -> list[Setting]:
                  if allowed(script, combo["world"])]
     rows += [setting("your_model/ddp.py", combo) for combo in grid() if combo["world"] > 1]
     # Resuming on another W, both ways, for the snapshot (06) and the sharded checkpoint (08).
-    return rows + [Setting("06_checkpoint", 4, 24, "float64", 5, 0.05, resume_from=3),
+    return rows + [REFUSED, Setting("06_checkpoint", 4, 24, "float64", 5, 0.05, resume_from=3),
                    Setting("06_checkpoint", 3, 32, "float64", 5, 0.05, resume_from=4),
                    Setting("08_fsdp", 4, 24, "float64", 5, 0.05, resume_from=3),
                    Setting("08_fsdp", 3, 32, "float64", 5, 0.05, resume_from=4)]
@@ -281,6 +287,13 @@ def test_setting(setting: Setting, outcomes: dict[str, Outcome]) -> None:
     outcome = outcomes[setting.id]
     if isinstance(outcome, BaseException):
         raise outcome
+    if setting.expect == "refuse":  # every rank says the same one line, before any training, and the job ends
+        run = outcome.run
+        assert run.returncode not in (0, None) and not run.survivors, run.describe()
+        errors = {line for line in run.stderr.splitlines() if ": error: " in line}
+        assert len(errors) == 1 and next(iter(errors)).startswith(setting.says), run.describe()
+        assert "epoch 1" not in run.stdout and not (run.out / "summary.json").exists(), run.describe()
+        return
     run = check(outcome.run)
     before_training = run.stdout.split("epoch 1")[0]
     # Where the ranks that share the data (dp) cannot split it evenly, the run says so before training, once.
@@ -294,7 +307,8 @@ def test_setting(setting: Setting, outcomes: dict[str, Outcome]) -> None:
     else:
         assert not said and "do not split evenly" not in run.stdout, run.stdout[:3000]
     if setting.expect == "own":
-        assert setting.says in before_training, f"the run should say '{setting.says}' before training"
+        assert setting.says is None or setting.says in before_training, \
+            f"the run should say '{setting.says}' before training"
         assert_learns(run)
         return
     s = run.summary
