@@ -624,13 +624,13 @@ LAUNCHED_BAD_VALUE = ("--batch-size", "0")  # the bad value launched for real in
 TYPO = ("--batchsize", "32")  # a misspelt flag: argparse's own error, also raised in parse_args
 
 
-# A stall costs its --timeout and the launcher's SIGTERM grace (launcher_grace: 30 s in torch 2.13), so there is one
-# per way of launching: mp.spawn (03), torchrun on one node (04), two nodes (05), one for FSDP (08), whose
-# collectives run inside autograd's hooks, one
-# for the pipeline (10), whose stages wait for each other in send/recv, not in collectives, and the GPT (11), whose
-# DDP or FSDP model and loss all-reduce run in a loop of steps, not epochs, and the GPT split over cp (12), whose
-# ranks wait for each other's keys and values in the ring's sends and receives on the cp group; and 12 again with two
-# pipeline stages (12-stalled-stage), which wait on each other in the schedule's sends and receives on the pp group.
+# A stall costs its --timeout and the launcher's SIGTERM grace (launcher_grace: 30 s in torch 2.13), so there is one per
+# way of launching: mp.spawn (03), torchrun on one node (04), two nodes (05), one for FSDP (08), whose collectives run
+# inside autograd's hooks, one for the pipeline (10), whose stages wait for each other in send/recv, not in collectives,
+# and the GPT (11), whose DDP or FSDP model and loss all-reduce run in a loop of steps, not epochs, and the GPT split
+# over cp (12), whose ranks wait for each other's keys and values in the ring's sends and receives on the cp group; and
+# 12 again with two pipeline stages (12-stalled-stage), which wait on each other in the schedule's sends and receives on
+# the pp group.
 # 06 and 07 meet a stall as 04 does: the same torchrun agent, and the collective's timeout caught in main() by
 # explain_peer_failure, word for word 04's (test_repo.py's contract test). They differ from 04 only in the store
 # ddp_setup passes (used while joining, before any stall) and in the barrier after a snapshot, one more

@@ -395,7 +395,6 @@ def test_compile_computes_the_eager_training(runs):
     assert shared == [0, 3] and worst <= TOL, f"compiled vs eager: {worst:.2e}"
 
 
-
 def test_bf16_with_fsdp_computes_with_bfloat16_weights_and_steps_float32_shards():
     """--amp bf16 --parallel fsdp: FSDP2's MixedPrecisionPolicy, not autocast alone. Every linear layer computes
     with bfloat16 weights (what the all-gather hands over: half the bytes), while the shards the optimizer steps stay
@@ -432,6 +431,7 @@ def test_bf16_with_fsdp_computes_with_bfloat16_weights_and_steps_float32_shards(
                          {p.grad.dtype for p in model.parameters()})
     assert seen["bf16"] == ({torch.bfloat16}, {torch.float32}, {torch.float32}, {torch.float32}), seen
     assert seen[None] == ({torch.float32}, {torch.float32}, {torch.float32}, {torch.float32}), seen
+
 
 @pytest.mark.parametrize("stage", ["10_pipeline_parallel", STAGE, "12_context_parallel"])
 def test_the_oldest_torch_it_accepts_is_accepted(stage, monkeypatch, capsys):
