@@ -45,6 +45,7 @@ import torch
 
 from conftest import readme_run
 from harness import ROOT, Run, Step, check, clean_env, group_of_one, launch, load_stage, mutate, tolerance
+from readme_blocks import BLOCKS
 
 STAGE = "11_gpt"
 TOL = tolerance("float64")
@@ -249,7 +250,7 @@ def refusal(args: list[str], env: dict[str, str] | None = None, stage: str = STA
 
 def test_bad_input_is_one_line_and_exit_2(runs, tmp_path):
     """A tp that does not divide the heads, a context longer than the text or than the checkpoint's model, an
-    unreadable corpus; and, as a control, the same settings made right are accepted."""
+    unreadable corpus, each as the README shows it; and, as a control, the same settings made right are accepted."""
     binary = tmp_path / "binary.txt"
     binary.write_bytes(bytes(range(256)))
     short = tmp_path / "short.txt"
@@ -270,6 +271,13 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path):
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and lines[0].startswith(f"{STAGE}/train.py: error: ") \
             and message in lines[0], (args, code, err)
+    # The README's block shows four of these as a learner meets them: the same lines, word for word.
+    shown = [b for b in BLOCKS if b.doc == ROOT / STAGE / "README.md" and b.lang == "text"
+             and b.body.startswith(f"{STAGE}/train.py: error: argument --tp")]
+    printed = [refusal(args, env)[1].strip().replace(ck, "runs/ck") for args, env in [
+        (["--parallel", "fsdp", "--tp", "4", "--heads", "2"], {"WORLD_SIZE": "4"}), (["--context", "200000"], {}),
+        (["--data", "missing.txt"], {}), ([*TINY, "--context", "64", "--batch-size", "4", "--snapshot", ck], {})]]
+    assert len(shown) == 1 and shown[0].body.strip().splitlines() == printed, printed
     # The controls: a tp that divides 4 heads, a context the text holds, the checkpoint's own model.
     assert refusal(["--parallel", "fsdp", "--tp", "4"], {"WORLD_SIZE": "4"})[0] == "accepted"
     assert refusal(["--data", str(short), "--context", "4"])[0] == "accepted"

@@ -166,7 +166,7 @@ SKIPPED = {  # (README, how the block's first line starts): why it is not compar
     ("11_gpt/README.md", "[11_gpt] world size 2 = dp 2 x tp 1"):
         "the default 800-step run (2 minutes, given in the prose); the README's block runs 20 and 10 steps",
     ("11_gpt/README.md", "11_gpt/train.py: error: argument --tp"):
-        "the refusals tests/test_gpt.py checks in-process, not a block's output",
+        "the refusals, not a block's output: tests/test_gpt.py compares them line by line with main()'s in-process",
     ("12_context_parallel/README.md", "positions         0 1"): "a diagram of the two splits",
     ("12_context_parallel/README.md", "causal attention, forward + backward"):
         "the output of benchmarks/cp_balance.py at its defaults (given in the prose; about a minute), not of a block",
