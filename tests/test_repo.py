@@ -228,25 +228,32 @@ def test_snapshots_are_handled_with_the_previous_stages_code(pair):
 
 
 GPU_PATH = re.compile(r"torch\.cuda|[\"']cuda")  # a script that can run on a GPU names it
+GPU_SCRIPTS = [p for p in sorted(ROOT.rglob("*.py"))
+               if not {"tests", ".venv", "runs"} & set(p.relative_to(ROOT).parts) and GPU_PATH.search(p.read_text())]
+
+
+def lines_calling(node: ast.AST, name: str) -> list[int]:
+    """The lines under `node` that call `name` (as written: "torch.cuda.synchronize")."""
+    return [n.lineno for n in ast.walk(node) if isinstance(n, ast.Call) and ast.unparse(n.func) == name]
+
+
+def functions(tree: ast.AST) -> list[ast.AST]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
 
 
 def clock_reads(tree: ast.AST) -> list[tuple[int, bool]]:
     """(line, waits for the GPU) of every time.perf_counter() call: waits when the function it is in calls
     torch.cuda.synchronize on an earlier line (as the stages' clock() does); a read at module level never waits.
     (time.monotonic() times whole jobs from the parent process, which runs no CUDA: tour.py, the benchmarks.)"""
-    def calls(node: ast.AST, name: str) -> list[ast.Call]:
-        return [n for n in ast.walk(node) if isinstance(n, ast.Call) and ast.unparse(n.func) == name]
     reads = []
-    for func in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]:
-        syncs = [c.lineno for c in calls(func, "torch.cuda.synchronize")]
-        reads += [(c.lineno, any(line < c.lineno for line in syncs)) for c in calls(func, "time.perf_counter")]
+    for func in functions(tree):
+        syncs = lines_calling(func, "torch.cuda.synchronize")
+        reads += [(line, any(sync < line for sync in syncs)) for line in lines_calling(func, "time.perf_counter")]
     inside = {line for line, _ in reads}
-    return reads + [(c.lineno, False) for c in calls(tree, "time.perf_counter") if c.lineno not in inside]
+    return reads + [(line, False) for line in lines_calling(tree, "time.perf_counter") if line not in inside]
 
 
-@pytest.mark.parametrize("path", [p for p in sorted(ROOT.rglob("*.py")) if not ({"tests", ".venv", "runs"} &
-                                  set(p.relative_to(ROOT).parts)) and GPU_PATH.search(p.read_text())],
-                         ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", GPU_SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_clock_read_on_a_gpu_path_waits_for_the_gpu(path):
     """CUDA runs asynchronously: a clock read while kernels are queued times their launches, not the kernels. In a
     script that can run on a GPU, every time.perf_counter() is read in a function that synchronises first (clock());
@@ -259,17 +266,13 @@ def device_first(tree: ast.AST) -> list[int]:
     """Lines of dist.init_process_group calls not preceded, in their function, by torch.cuda.set_device: NCCL binds
     each rank's communicator to the current device, so a rank that sets it later also works on GPU 0."""
     late = []
-    for func in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]:
-        found = {name: [n.lineno for n in ast.walk(func) if isinstance(n, ast.Call) and ast.unparse(n.func) == name]
-                 for name in ("torch.cuda.set_device", "dist.init_process_group")}
-        late += [line for line in found["dist.init_process_group"]
-                 if not any(first < line for first in found["torch.cuda.set_device"])]
+    for func in functions(tree):
+        sets = lines_calling(func, "torch.cuda.set_device")
+        late += [line for line in lines_calling(func, "dist.init_process_group") if not any(s < line for s in sets)]
     return sorted(set(late))
 
 
-@pytest.mark.parametrize("path", [p for p in sorted(ROOT.rglob("*.py")) if not ({"tests", ".venv", "runs"} &
-                                  set(p.relative_to(ROOT).parts)) and GPU_PATH.search(p.read_text())
-                                  and "init_process_group(" in p.read_text()],
+@pytest.mark.parametrize("path", [p for p in GPU_SCRIPTS if "init_process_group(" in p.read_text()],
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_script_that_can_run_on_a_gpu_sets_its_device_before_joining_the_group(path):
     late = device_first(ast.parse(path.read_text()))
