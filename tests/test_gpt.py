@@ -42,6 +42,7 @@ from unittest import mock
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import readme_run
 from harness import ROOT, Run, Step, check, clean_env, group_of_one, launch, load_stage, mutate, tolerance
@@ -346,28 +347,34 @@ def test_w_ranks_take_the_windows_of_one_process(dp, batch, accumulate):
     assert worst <= 1e-15, f"the mean of the ranks' gradients is {worst:.2e} from one process's"
 
 
+
+class Recording(TorchDispatchMode):
+    """Every op torch dispatches inside the `with`, run as it is; `what(func, args, kwargs)` says what to keep of each
+    (a set, empty for ops of no interest): the dtypes a computation really ran in, whatever autocast or FSDP2 did."""
+
+    def __init__(self, what) -> None:
+        super().__init__()
+        self.what, self.seen = what, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen |= self.what(func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
+
 def test_bf16_autocast_computes_the_matmuls_in_bfloat16(runs):
     """--amp bf16: Trainer._run_step on the tiny GPT in float32 runs every matrix product (the linear layers and the
     attention) in bfloat16, and without --amp in float32 (the control); its loss stays within bf16's rounding
     (8 bits of mantissa; measured 3e-5 on the first step) of float32's, and outside float32's own (~1e-7). The
     launched run took the same path end to end: its per-step losses are the float64 reference's within that
     margin, and not within float32's."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     gpt = load_stage(STAGE)
     products = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product")  # the aten ops that multiply matrices
 
-    class Dtypes(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.seen: set[tuple[str, torch.dtype]] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.__name__.split(".")[0]
-            if name.startswith(products) and not name.endswith("_backward"):  # attention's: q, k and v
-                operands = args[:3] if name.startswith("_scaled_dot_product") else args
-                self.seen |= {(name, a.dtype) for a in operands if isinstance(a, torch.Tensor)}
-            return func(*args, **(kwargs or {}))
+    def matrix_products(func, args, kwargs) -> set[tuple[str, torch.dtype]]:
+        name = func.__name__.split(".")[0]
+        if not name.startswith(products) or name.endswith("_backward"):
+            return set()
+        operands = args[:3] if name.startswith("_scaled_dot_product") else args  # attention's: q, k and v
+        return {(name, a.dtype) for a in operands if isinstance(a, torch.Tensor)}
 
     corpus = gpt.load_corpus(DATA)
     found = {}
@@ -380,7 +387,7 @@ def test_bf16_autocast_computes_the_matmuls_in_bfloat16(runs):
                                                 warmup_steps=1, decay_steps=1),
             steps=0, dp_rank=0, dp=1, global_batch=4, device=torch.device("cpu"),
             syncing=lambda last: contextlib.nullcontext())
-        with Dtypes() as mode:
+        with Recording(matrix_products) as mode:
             loss = gpt.Trainer._run_step(trainer)[0].item()
         found[amp] = (loss, {dtype for _, dtype in mode.seen}, {name for name, _ in mode.seen})
     assert found["bf16"][1] == {torch.bfloat16} and found[None][1] == {torch.float32}, found
@@ -409,17 +416,8 @@ def test_bf16_with_fsdp_computes_with_bfloat16_weights_and_steps_float32_shards(
     float32 and their gradients are reduced in float32 (reduce_dtype: the buffer FSDP2 packs them into for the
     reduce-scatter, fsdp.chunk_cat's output); without --amp (the control) the layers compute with float32 weights.
     (One rank, in this process: the casts are the policy's, whatever W.)"""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Reduced(TorchDispatchMode):  # the dtype of the buffer the gradients are packed into for the reduce-scatter
-        def __init__(self) -> None:
-            super().__init__()
-            self.dtypes: set[torch.dtype] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if str(func).startswith("fsdp.chunk_cat"):
-                self.dtypes.add(kwargs["out"].dtype)
-            return func(*args, **(kwargs or {}))
+    def packed_for_the_reduce_scatter(func, args, kwargs) -> set[torch.dtype]:
+        return {kwargs["out"].dtype} if str(func).startswith("fsdp.chunk_cat") else set()
 
     gpt = load_stage(STAGE)
     seen = {}
@@ -433,9 +431,9 @@ def test_bf16_with_fsdp_computes_with_bfloat16_weights_and_steps_float32_shards(
             for layer in [m for m in model.modules() if isinstance(m, torch.nn.Linear)]:
                 layer.register_forward_pre_hook(lambda mod, _, into=computed: into.add(mod.weight.dtype))
             idx = torch.randint(0, 65, (2, 32), generator=torch.Generator().manual_seed(0))
-            with Reduced() as reduced:
+            with Recording(packed_for_the_reduce_scatter) as reduced:
                 model(idx).float().logsumexp(-1).mean().backward()
-            seen[amp] = (computed, reduced.dtypes, {p.dtype for p in model.parameters()},
+            seen[amp] = (computed, reduced.seen, {p.dtype for p in model.parameters()},
                          {p.grad.dtype for p in model.parameters()})
     assert seen["bf16"] == ({torch.bfloat16}, {torch.float32}, {torch.float32}, {torch.float32}), seen
     assert seen[None] == ({torch.float32}, {torch.float32}, {torch.float32}, {torch.float32}), seen
