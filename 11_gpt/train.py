@@ -103,6 +103,12 @@ def batch_of_windows(tokens: torch.Tensor, context: int, rows: int, seed: int, s
     return tokens[positions], tokens[positions + 1]  # the input, and the next character at every position
 
 
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch from the CPU to the training device without waiting: copied from pinned (page-locked) memory, a
+    copy runs on the GPU's queue while Python goes on; from ordinary memory it would wait for the GPU to catch up."""
+    return batch.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else batch.to(device)
+
+
 # ─── The model: a decoder-only transformer ─────────────────────────────────────────────────────────────────────────
 
 class Config(NamedTuple):
@@ -362,14 +368,15 @@ class Trainer:
         # This dp rank's rows: r, r + dp, ... (the tp ranks of a row take the same ones: they compute one forward
         # together), cut into --accumulate micro-batches. W ranks of batch b see the windows one process of W*b sees.
         mine = slice(self.dp_rank, None, self.dp)
-        micro = list(zip(x[mine].split(self.args.batch_size), y[mine].split(self.args.batch_size), strict=True))
+        x, y = to_device(x[mine], self.device), to_device(y[mine], self.device)  # the step's one copy from the host
+        micro = list(zip(x.split(self.args.batch_size), y.split(self.args.batch_size), strict=True))
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for i, (xb, yb) in enumerate(micro):
             with self.syncing(last=i == len(micro) - 1):
                 # --amp bf16: the forward's matmuls in bfloat16, the weights and the loss in float32 (recipes/).
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.amp == "bf16"):
-                    logits = self.model(xb.to(self.device))
-                    loss = F.cross_entropy(logits.flatten(0, 1), yb.to(self.device).flatten())
+                    logits = self.model(xb)
+                    loss = F.cross_entropy(logits.flatten(0, 1), yb.flatten())
                 # Sync point (the last micro-batch): DDP all-reduces the gradients; FSDP2 reduce-scatters each unit's.
                 (loss / len(micro)).backward()
             total += loss.detach()

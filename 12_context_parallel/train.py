@@ -20,6 +20,7 @@ blocks cut into stages, so that the GPT runs on all four dimensions at once: dp 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -111,6 +112,12 @@ def batch_of_windows(tokens: torch.Tensor, context: int, rows: int, seed: int, s
     return tokens[positions], tokens[positions + 1]  # the input, and the next character at every position
 
 
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch from the CPU to the training device without waiting: copied from pinned (page-locked) memory, a
+    copy runs on the GPU's queue while Python goes on; from ordinary memory it would wait for the GPU to catch up."""
+    return batch.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else batch.to(device)
+
+
 # ─── The model: a decoder-only transformer ─────────────────────────────────────────────────────────────────────────
 
 class Config(NamedTuple):
@@ -189,8 +196,9 @@ class GPT(nn.Module):
         (pipeline_stage): the first embeds, the last predicts, the others take and give the residual stream."""
         if self.tokens is not None:
             t = x.shape[1] * (1 if self.cp is None else self.cp.size)  # the whole sequence's length
-            positions = torch.arange(t) if self.cp is None else self.cp.positions(t)  # where this rank's tokens are
-            x = self.tokens(x) + self.positions(positions.to(x.device))
+            # Where this rank's tokens are, made on the device: never copied from the host in a step.
+            where = torch.arange(t, device=x.device) if self.cp is None else self.cp.positions(t, x.device)
+            x = self.tokens(x) + self.positions(where)
         for block in self.blocks.values():
             x = block(x)
         return x if self.head is None else self.head(self.norm(x))
@@ -206,12 +214,12 @@ def parameters(cfg: Config) -> int:
 
 # Two ways, both exact. ring_attention: the blocks of keys and values travel round the ring of cp ranks, one hop a
 # step, while each rank attends with its own queries to the block it holds; the partial results merge with the online
-# softmax. No rank ever holds more than two blocks, and each hop's transfer overlaps the compute on the block already
-# there. allgather_attention: every rank gathers the whole sequence's keys and values, then attends locally (what
-# Llama 3 did: simpler, and cheap where keys and values are small next to the queries, as with grouped-query
-# attention; its memory grows with the whole sequence). Under a causal mask a contiguous split gives the last rank
-# the most work (its queries see every key) and the first the least; the zigzag split (2 cp chunks, rank r holding
-# chunks r and 2 cp - 1 - r) evens it out.
+# softmax. A rank holds its own block, the one it computes on and the one arriving, never the whole sequence's, and
+# each hop's transfer overlaps the compute on the block already there. allgather_attention: every rank gathers the
+# whole sequence's keys and values, then attends locally (what Llama 3 did: simpler, and cheap where keys and values
+# are small next to the queries, as with grouped-query attention; its memory grows with the whole sequence). Under a
+# causal mask a contiguous split gives the last rank the most work (its queries see every key) and the first the
+# least; the zigzag split (2 cp chunks, rank r holding chunks r and 2 cp - 1 - r) evens it out.
 
 # Who holds which tokens.
 
@@ -220,41 +228,44 @@ def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
     return rank, 2 * cp - 1 - rank
 
 
-def local_positions(t: int, cp: int, rank: int, zigzag: bool) -> torch.Tensor:
-    """The global positions (0..t-1) of the tokens `rank` holds, in the order it holds them."""
+def held_chunks(cp: int, rank: int, zigzag: bool) -> tuple[int, ...]:
+    """The chunks of the sequence `rank` holds, in the order it holds them: 2 cp chunks (zigzag) or cp (contiguous)."""
+    return zigzag_chunks(cp, rank) if zigzag else (rank,)
+
+
+def local_positions(t: int, cp: int, rank: int, zigzag: bool, device: torch.device | None = None) -> torch.Tensor:
+    """The global positions (0..t-1) of the tokens `rank` holds, in the order it holds them, made on `device`."""
     pieces = 2 * cp if zigzag else cp
     if t % pieces:
         raise ValueError(f"a sequence of {t} tokens does not split into {pieces} equal pieces")
     size = t // pieces
-    chunks = zigzag_chunks(cp, rank) if zigzag else (rank,)
-    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
+    return torch.cat([torch.arange(c * size, (c + 1) * size, device=device) for c in held_chunks(cp, rank, zigzag)])
 
 
 def split_sequence(x: torch.Tensor, cp: int, rank: int, zigzag: bool, dim: int = 1) -> torch.Tensor:
     """`rank`'s share of a whole sequence (token ids, targets) along `dim`."""
-    return x.index_select(dim, local_positions(x.shape[dim], cp, rank, zigzag).to(x.device))
+    return x.index_select(dim, local_positions(x.shape[dim], cp, rank, zigzag, x.device))
 
 
-def visible_parts(q_pos: torch.Tensor, k_pos: torch.Tensor, zigzag: bool,
-                  causal: bool) -> Iterator[tuple[slice, slice, torch.Tensor | None]]:
-    """The (query rows, key columns, mask) worth computing between a rank's queries and one block of keys.
+def visible_parts(q_chunks: tuple[int, ...], k_chunks: tuple[int, ...], size: int,
+                  causal: bool) -> Iterator[tuple[slice, slice, bool]]:
+    """(query rows, key columns, diagonal) of each pair of chunks worth computing, between a rank's queries and one
+    block of keys, each chunk `size` tokens. A chunk's positions are consecutive, so under the causal mask a pair is
+    all visible (the keys' chunk earlier), all hidden (later: skipped, nothing to compute) or the diagonal (the same
+    chunk: every query sees itself and the keys before it, so only the diagonal pays for a mask). Decided from chunk
+    numbers, Python integers: nothing here reads a tensor or waits for a device."""
+    for i, qc in enumerate(q_chunks):
+        for j, kc in enumerate(k_chunks):
+            if not causal or kc <= qc:
+                yield slice(i * size, (i + 1) * size), slice(j * size, (j + 1) * size), causal and kc == qc
 
-    Each zigzag chunk is handled on its own: a chunk pair is either all visible, all hidden or the diagonal (the same
-    chunk: every query there sees at least itself). The mask is None where every query sees every key: only the
-    diagonal pays for a mask.
-    """
-    if not causal:
-        yield slice(None), slice(None), None
-        return
-    q_size, k_size = len(q_pos) // (2 if zigzag else 1), len(k_pos) // (2 if zigzag else 1)
-    for q0 in range(0, len(q_pos), q_size):
-        for k0 in range(0, len(k_pos), k_size):
-            rows, cols = slice(q0, q0 + q_size), slice(k0, k0 + k_size)
-            qp, kp = q_pos[rows], k_pos[cols]
-            if kp.min() > qp.max():  # every key comes after every query: nothing to see, so nothing to compute
-                continue
-            mask = None if kp.max() <= qp.min() else kp[None, :] <= qp[:, None]  # True: the query sees the key
-            yield rows, cols, mask
+
+@functools.cache
+def causal_mask(rows: int, before: int, device: torch.device) -> torch.Tensor:
+    """[rows, before + rows], True where a query sees a key: the queries are the last `rows` positions of a sequence
+    of before + rows keys, so query i sees keys 0 .. before + i. Made on the training device once per shape (not per
+    layer and step): a mask made on the CPU would be copied to the GPU every time, and the copy waits."""
+    return torch.ones(rows, before + rows, dtype=torch.bool, device=device).tril(before)
 
 
 # Ring attention.
@@ -278,28 +289,36 @@ def wait(works: list) -> None:
         work.wait()
 
 
+def float32_at_least(dtype: torch.dtype) -> torch.dtype:
+    """What the ring computes and sums in: float32 for bfloat16 or float16 inputs (--amp), else the inputs' own.
+    A bfloat16 sum keeps 8 bits: over many blocks and ranks its rounding adds up (FlashAttention, and torch's own
+    context parallelism, likewise keep the softmax's statistics, the output's sum and the gradients in float32)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, causal: bool,
                 zigzag: bool) -> torch.Tensor:
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        t, scale = q.shape[2] * cp, 1 / math.sqrt(q.shape[-1])
-        q_pos = local_positions(t, cp, rank, zigzag)
+        mine = held_chunks(cp, rank, zigzag)
+        size, scale, wide = q.shape[2] // len(mine), 1 / math.sqrt(q.shape[-1]), float32_at_least(q.dtype)
         # The online softmax keeps, for every query row, over the keys seen so far: the largest score m, the sum
         # total = sum_j exp(s_j - m), and acc = sum_j exp(s_j - m) v_j. Once every key is seen, output = acc / total.
-        m = q.new_full(q.shape[:-1], -math.inf)
-        total = q.new_zeros(q.shape[:-1])
-        acc = torch.zeros_like(q)
-        kv = torch.stack([k, v])  # keys and values in one tensor: one send and one receive per hop
+        m = q.new_full(q.shape[:-1], -math.inf, dtype=wide)
+        total = q.new_zeros(q.shape[:-1], dtype=wide)
+        acc = torch.zeros_like(q, dtype=wide)
+        q_wide = q.to(wide)  # the scores in float32 at least (a bfloat16 matmul's result would be rounded to bf16)
+        kv = torch.stack([k, v])  # keys and values in one tensor, in the inputs' dtype: one send and receive a hop
         for step in range(cp):
             origin = (rank - step) % cp  # the rank whose keys and values we hold at this step
             if step < cp - 1:  # post the next block's transfer first: it travels while we compute on this one
                 kv_next, works = ring_hop(kv, group)
-            k_pos = local_positions(t, cp, origin, zigzag)
-            for rows, cols, mask in visible_parts(q_pos, k_pos, zigzag, causal):
-                s = q[..., rows, :] @ kv[0][..., cols, :].transpose(-2, -1) * scale  # scores, in the input's dtype
-                if mask is not None:  # made on the CPU, as the positions: deciding what to skip never waits for a GPU
-                    s = s.masked_fill(~mask.to(s.device), -math.inf)  # exp(-inf) = 0: a hidden key adds nothing
+            kv_wide = kv.to(wide)
+            for rows, cols, diagonal in visible_parts(mine, held_chunks(cp, origin, zigzag), size, causal):
+                s = q_wide[..., rows, :] @ kv_wide[0][..., cols, :].transpose(-2, -1) * scale
+                if diagonal:  # exp(-inf) = 0: a key after the query adds nothing
+                    s = s.masked_fill(~causal_mask(size, 0, s.device), -math.inf)
                 m_new = torch.maximum(m[..., rows], s.amax(-1))
                 # Exact, not approximate: exp(s - m_new) = exp(s - m) * exp(m - m_new), so multiplying the old sums
                 # by alpha = exp(m - m_new) re-expresses them relative to the new maximum (alpha = 0 while m = -inf;
@@ -307,7 +326,7 @@ class RingAttention(torch.autograd.Function):
                 alpha = torch.exp(m[..., rows] - m_new)
                 p = torch.exp(s - m_new[..., None])  # <= 1: the largest is exp(0), nothing overflows
                 total[..., rows] = total[..., rows] * alpha + p.sum(-1)
-                acc[..., rows, :] = acc[..., rows, :] * alpha[..., None] + p @ kv[1][..., cols, :]
+                acc[..., rows, :] = acc[..., rows, :] * alpha[..., None] + p @ kv_wide[1][..., cols, :]
                 m[..., rows] = m_new
             if step < cp - 1:
                 wait(works)
@@ -316,54 +335,61 @@ class RingAttention(torch.autograd.Function):
         lse = m + torch.log(total)  # log sum_j exp(s_j): all the backward needs to recompute any probability exactly
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.zigzag = group, causal, zigzag
-        return out
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         group, causal, zigzag = ctx.group, ctx.causal, ctx.zigzag
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        t, scale = q.shape[2] * cp, 1 / math.sqrt(q.shape[-1])
-        q_pos = local_positions(t, cp, rank, zigzag)
+        mine = held_chunks(cp, rank, zigzag)
+        size, scale, wide, dtype = q.shape[2] // len(mine), 1 / math.sqrt(q.shape[-1]), out.dtype, q.dtype
+        q, dout = q.to(wide), dout.to(wide)
         # Softmax's backward is dS = P * (dP - rowsum(dP * P)), and rowsum(dP * P) = rowsum(dO * O): one number per
         # query row, computed once here from the output instead of from every block's probabilities.
         delta = (dout * out).sum(-1)
         dq = torch.zeros_like(q)
         kv = torch.stack([k, v])
-        dkv, dkv_works = torch.zeros_like(kv), []  # before the first step, nobody has added to our block's gradient
+        # The block's gradient travels in float32 at least: every rank of the ring adds its part to it on the way.
+        dkv, dkv_works = torch.zeros_like(kv, dtype=wide), []  # before the first step, nobody has added to our block
         for step in range(cp):
             origin = (rank - step) % cp
             if step < cp - 1:
                 kv_next, kv_works = ring_hop(kv, group)
-            mine = torch.zeros_like(kv)  # this rank's part of the gradient of the block it holds (keys, values)
-            for rows, cols, mask in visible_parts(q_pos, local_positions(t, cp, origin, zigzag), zigzag, causal):
-                k_blk, v_blk = kv[0][..., cols, :], kv[1][..., cols, :]
+            kv_wide = kv.to(wide)
+            part = torch.zeros_like(kv_wide)  # this rank's part of the gradient of the block it holds (keys, values)
+            for rows, cols, diagonal in visible_parts(mine, held_chunks(cp, origin, zigzag), size, causal):
+                k_blk, v_blk = kv_wide[0][..., cols, :], kv_wide[1][..., cols, :]
                 s = q[..., rows, :] @ k_blk.transpose(-2, -1) * scale
-                if mask is not None:
-                    s = s.masked_fill(~mask.to(s.device), -math.inf)
+                if diagonal:
+                    s = s.masked_fill(~causal_mask(size, 0, s.device), -math.inf)
                 p = torch.exp(s - lse[..., rows, None])  # the forward's probabilities, recomputed from its lse
                 dp = dout[..., rows, :] @ v_blk.transpose(-2, -1)
                 ds = p * (dp - delta[..., rows, None])
                 dq[..., rows, :] += ds @ k_blk * scale
-                mine[0][..., cols, :] += ds.transpose(-2, -1) @ q[..., rows, :] * scale
-                mine[1][..., cols, :] += p.transpose(-2, -1) @ dout[..., rows, :]
+                part[0][..., cols, :] += ds.transpose(-2, -1) @ q[..., rows, :] * scale
+                part[1][..., cols, :] += p.transpose(-2, -1) @ dout[..., rows, :]
             wait(dkv_works)  # what the ranks that held this block before us added up: it came after the block
-            mine += dkv
+            part += dkv
             # On to the next rank with the block; after the last step that is the block's own rank: home.
-            dkv, dkv_works = ring_hop(mine, group)
+            dkv, dkv_works = ring_hop(part, group)
             if step < cp - 1:
                 wait(kv_works)
                 kv = kv_next
         wait(dkv_works)
         dk, dv = dkv  # our own block's gradient, summed over every rank's queries
-        return dq, dk, dv, None, None, None
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, causal: bool,
                    zigzag: bool) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence's keys and values; q, k, v: [b, heads, t_local, d],
     this rank's tokens as local_positions(t, cp, rank, zigzag) lists them. causal: a token sees those up to itself."""
-    return RingAttention.apply(q, k, v, group, causal, zigzag)
+    # Autocast (--amp bf16) off: the ring chooses its own dtypes (float32_at_least), and autocast would run its
+    # matrix products in bfloat16 again. (Its backward runs where .backward() is called: outside autocast.)
+    with torch.autocast(q.device.type, enabled=False) if torch.amp.is_autocast_available(q.device.type) \
+            else nullcontext():  # (autocast exists on CPUs and GPUs)
+        return RingAttention.apply(q, k, v, group, causal, zigzag)
 
 
 # All-gather attention.
@@ -380,25 +406,38 @@ class GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        # Every rank used our keys, so their gradient is the sum of every rank's part for our share: reduce-scatter.
-        parts = [part.contiguous() for part in grad.chunk(dist.get_world_size(ctx.group), dim=2)]
+        # Every rank used our keys, so their gradient is the sum of every rank's part for our share: reduce-scatter,
+        # summed in float32 at least, as the ring's.
+        wide = float32_at_least(grad.dtype)
+        parts = [part.to(wide).contiguous() for part in grad.chunk(dist.get_world_size(ctx.group), dim=2)]
         mine = torch.empty_like(parts[0])
         dist.reduce_scatter(mine, parts, group=ctx.group)
-        return mine, None
+        return mine.to(grad.dtype), None
+
+
+def in_sequence_order(x: torch.Tensor, cp: int, zigzag: bool) -> torch.Tensor:
+    """Every rank's share of x [b, heads, t, d], gathered in rank order, put back in the sequence's order: each rank's
+    share is its chunks, in the order held_chunks lists them."""
+    per_rank = len(held_chunks(cp, 0, zigzag))
+    pieces = x.chunk(cp * per_rank, dim=2)
+    at = {c: pieces[r * per_rank + i] for r in range(cp) for i, c in enumerate(held_chunks(cp, r, zigzag))}
+    return torch.cat([at[c] for c in sorted(at)], dim=2)
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, causal: bool,
                         zigzag: bool) -> torch.Tensor:
     """The same attention as ring_attention, by gathering the keys and values of the whole sequence first."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    t = q.shape[2] * cp
-    keys, values = GatherSequence.apply(k, group), GatherSequence.apply(v, group)
+    keys, values = (in_sequence_order(GatherSequence.apply(x, group), cp, zigzag) for x in (k, v))
     if not causal:
         return F.scaled_dot_product_attention(q, keys, values)
-    # The gathered keys are in rank order, each rank's share in its own order: their positions, likewise.
-    k_pos = torch.cat([local_positions(t, cp, r, zigzag) for r in range(cp)])
-    q_pos = local_positions(t, cp, rank, zigzag)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=(k_pos[None, :] <= q_pos[:, None]).to(q.device))
+    # The queries of chunk c see the keys of chunks 0 .. c, the last of those up to each query's own position.
+    mine = held_chunks(cp, rank, zigzag)
+    size = q.shape[2] // len(mine)
+    return torch.cat([F.scaled_dot_product_attention(q[..., i * size:(i + 1) * size, :], keys[..., :(c + 1) * size, :],
+                                                     values[..., :(c + 1) * size, :],
+                                                     attn_mask=causal_mask(size, c * size, q.device))
+                      for i, c in enumerate(mine)], dim=2)
 
 
 class ContextParallel:
@@ -414,9 +453,10 @@ class ContextParallel:
         """This rank's tokens of x [b, t, ...]: its part of every sequence (zigzag: chunks r and 2cp-1-r of 2cp)."""
         return x if self.size == 1 else split_sequence(x, self.size, self.rank, self.zigzag, dim=1)
 
-    def positions(self, t: int) -> torch.Tensor:
-        """Where in a sequence of t tokens this rank's tokens are (the position embedding and the causal mask)."""
-        return torch.arange(t) if self.size == 1 else local_positions(t, self.size, self.rank, self.zigzag)
+    def positions(self, t: int, device: torch.device) -> torch.Tensor:
+        """Where in a sequence of t tokens this rank's tokens are (for the position embedding), made on `device`."""
+        return torch.arange(t, device=device) if self.size == 1 else \
+            local_positions(t, self.size, self.rank, self.zigzag, device)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.impl == "allgather":
@@ -431,7 +471,7 @@ class ContextParallel:
         dist.all_gather(shares, x.contiguous(), group=self.group)
         whole = torch.empty(x.shape[0], t, *x.shape[2:], dtype=x.dtype, device=x.device)
         for r, share in enumerate(shares):
-            whole[:, local_positions(t, self.size, r, self.zigzag).to(x.device)] = share
+            whole[:, local_positions(t, self.size, r, self.zigzag, x.device)] = share
         return whole
 
     def multiple(self) -> int:
@@ -734,7 +774,7 @@ class Trainer:
         # Of each window, this cp rank's share of the positions (its cp group's ranks take the rest). The stages of a
         # pipeline (--pp) take the same rows: each computes its blocks' part of them.
         mine = slice(self.dp_rank, None, self.dp)
-        x, y = self.cp.share(x[mine]).to(self.device), self.cp.share(y[mine]).to(self.device)
+        x, y = (to_device(self.cp.share(t[mine]), self.device) for t in (x, y))  # the step's one copy from the host
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         # --amp bf16: the forward's matmuls in bfloat16, the weights and the loss in float32 (recipes/).
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.amp == "bf16")
@@ -938,7 +978,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "of 2 x cp)")
     p.add_argument("--cp-impl", choices=["ring", "allgather"], default="ring",
                    help="how a cp rank's queries reach the others' keys and values: passed round a ring, one block "
-                        "a hop (memory of two blocks), or all gathered at once (memory of the whole sequence)")
+                        "a hop (memory of a few blocks), or all gathered at once (memory of the whole sequence)")
     p.add_argument("--no-zigzag", action="store_true",
                    help="give each cp rank one contiguous piece of the sequence (the later pieces then do more of "
                         "the causal attention's work) instead of chunks r and 2cp-1-r")

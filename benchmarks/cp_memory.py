@@ -20,9 +20,12 @@ scores matrix would have, heads x T_local x T x 4 bytes, for orientation. MiB = 
 - cp = 1, is_causal=True: no mask and no scores matrix (the kernel works in tiles): linear in T;
 - ring: for each zigzag chunk pair it computes, a block of scores [heads, T/2cp, T/2cp] and what is made from it
   (probabilities, their gradient, ...), a few such blocks at once: quadratic in T/cp, 1/(4 cp) of the scores each;
-- all-gather: the whole sequence's k and v (and their gradients), linear in T, and its causal mask, a boolean
-  [T/cp, T], which F.scaled_dot_product_attention turns into a float one (0 or -inf) for its fused kernel:
-  T/cp x T x (1 + 4) bytes, quadratic, 1.25/heads of the scores matrix.
+- all-gather: the whole sequence's k and v (and their gradients), linear in T, and the causal masks of its two
+  zigzag chunks (chunk c's queries against the keys up to its end, [T/2cp, (c + 1) T/2cp] booleans, made once per
+  shape and kept), which F.scaled_dot_product_attention turns into float ones (0 or -inf) for its fused kernel and
+  keeps for the backward: (2 cp + 1) (T/2cp)^2 x (1 + 4) bytes, quadratic.
+The masks the stage keeps (causal_mask, made once per shape) are dropped before each call, so that both calls make
+them: the peak is what a training step holds, the kept masks included.
 
 glibc's mmap threshold is fixed at 128 KiB (mallopt) before the processes start: every tensor above it gets pages of
 its own, given back to the kernel when it is freed, so the resident set follows the live tensors. glibc's default
@@ -127,6 +130,7 @@ def measure(ring: ModuleType, method: str, cp: int, tokens: int, group, rank: in
             x.grad = None
         if group is not None:
             dist.barrier(group)  # all start together: nobody's peak includes waiting for a late neighbour's data
+        ring.causal_mask.cache_clear()  # kept between steps: counted in the call, as a step holds them
         release()
         reset_peak()
         before = status_kb("VmRSS") * 1024
@@ -144,7 +148,13 @@ def measure(ring: ModuleType, method: str, cp: int, tokens: int, group, rank: in
             "head_size": args.head_size, "rank": rank, "rss_before_bytes": before, "peak_bytes": peaks[1],
             "first_call_peak_bytes": peaks[0], "scores_bytes": args.heads * t_local * tokens * 4,
             "kv_bytes": 2 * args.heads * tokens * args.head_size * 4,
-            "mask_bytes": t_local * tokens * 5 if method == "all-gather" else 0, "seconds": seconds}
+            "mask_bytes": mask_bytes(tokens, cp) if method == "all-gather" else 0, "seconds": seconds}
+
+
+def mask_bytes(tokens: int, cp: int) -> int:
+    """The all-gather's masks of a zigzag rank, boolean and SDPA's float copies: chunks r and 2 cp - 1 - r see
+    r + 1 and 2 cp - r chunks of keys, 2 cp + 1 chunk pairs of (T/2cp)^2 in all, 1 + 4 bytes each."""
+    return (2 * cp + 1) * (tokens // (2 * cp)) ** 2 * 5
 
 
 def worker(rank: int, args: argparse.Namespace, results: mp.SimpleQueue) -> None:
@@ -194,8 +204,8 @@ def print_table(lines: list[dict], args: argparse.Namespace) -> None:
     print(f"peak MiB: the most one rank's forward + backward added to its resident memory (second call; min rank: "
           f"the least over the ranks). scores MiB: heads x T/rank x tokens x 4 bytes, what a materialised scores "
           f"matrix would take; k,v MiB: the whole sequence's keys and values ({args.heads} heads x tokens x "
-          f"{args.head_size} x 4 bytes x 2), what the all-gather gathers; masks MiB: the all-gather's boolean mask "
-          f"and SDPA's float copy of it, T/rank x tokens x (1 + 4) bytes.")
+          f"{args.head_size} x 4 bytes x 2), what the all-gather gathers; masks MiB: the all-gather's boolean masks "
+          f"of a rank's two chunks and SDPA's float copies, (2 cp + 1) x (tokens / 2 cp)^2 x (1 + 4) bytes.")
 
 
 def plot(lines: list[dict], args: argparse.Namespace, path: Path) -> None:
@@ -253,7 +263,7 @@ def needed_bytes(tokens: int, heads: int, head_size: int) -> int:
     need = 0
     for cp in CPS[1:]:
         block = heads * (tokens // (2 * cp)) ** 2 * 4  # the ring's scores of one zigzag chunk pair
-        mask = tokens // cp * tokens * 5  # all-gather: the boolean mask and SDPA's float copy of it
+        mask = mask_bytes(tokens, cp)  # all-gather: the boolean masks and SDPA's float copies of them
         need = max(need, cp * max(8 * block, mask + 8 * heads * tokens * head_size * 4))  # measured: 6-7.5 blocks
     return need + WORLD * RSS_PER_PROCESS
 

@@ -17,8 +17,9 @@ ranks), float64, at a seed drawn for the session (hidden from the code under tes
     full     torchrun 16: dp 2 x pp 2 x cp 2 x tp 2, 1F1B, 2 micro-batches of 1, resumed from dppp's checkpoint to 8
     ppclip   pp2's command on a copy whose gradient norm leaves out the other stage's blocks: pp2's control
 
-States (weights, both AdamW moments), per-step losses and gradient norms are compared with test_gpt.compare, within
+States (weights, both AdamW moments), per-step losses and gradient norms are compared with test_gpt.gaps, within
 sqrt(eps) of float64. The ring itself, at cp 2, 3 and 4 against full attention, is tests/test_ring_attention.py's.
+Each comparison prints its row of 12's README table (`pytest tests/test_context_parallel.py -s` shows them).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from harness import ROOT, Run, Step, check, launch, mutate, tolerance
-from test_gpt import compare, refusal
+from test_gpt import gaps, refusal
 
 STAGE = "12_context_parallel"
 TOL = tolerance("float64")
@@ -42,6 +43,15 @@ RING = "        for step in range(cp):\n            origin = (rank - step) % cp 
 SHORT = RING.replace("range(cp)", "range(cp - 1)")
 # The gradient norm over the pipeline: without its all_reduce, each stage clips by the norm of its own blocks.
 PP_NORM = "    if pipe.size > 1:\n        dist.all_reduce(total, group=pipe.group)\n"
+
+
+def compare(label: str, run: Run, one: Run) -> tuple[float, list[int]]:
+    """(the largest gap from one process, the steps both recorded); prints the row of 12's README table: the steps,
+    then the largest |difference| of the state, of the per-step losses, of the gradient norms."""
+    found, shared = gaps(run, one)
+    print(f"\n| {label} | {', '.join(map(str, shared))} | {found['state']:.1e} | {found['losses']:.1e} | "
+          f"{found['grad_norms']:.1e} |  (seed {SEED})")
+    return max(found.values()), shared
 
 
 def step(nproc: int, *args: str) -> Step:
@@ -91,7 +101,7 @@ def runs(tmp_path_factory) -> dict[str, Run]:
 def equals_one_process(run: Run, one: Run, steps: list[int], layout: str) -> None:
     """The states both runs recorded (at `steps`), every step's loss and gradient norm, the held-out loss (the last,
     shorter window padded) and the sample: one process's. (For a run that trained to one's last step.)"""
-    worst, shared = compare(run, one)
+    worst, shared = compare(layout, run, one)
     worst = max(worst, abs(run.summary["eval_loss"] - one.summary["eval_loss"]))
     assert shared == steps and worst <= TOL, f"{layout} vs one process (seed {SEED}): {worst:.2e}"
     assert (run.summary["eval_count"], run.summary["sample"]) == (one.summary["eval_count"], one.summary["sample"]), \
@@ -105,7 +115,7 @@ def test_two_cp_ranks_are_one_process(runs):
     s = run.summary
     assert (s["world_size"], s["dp"], s["cp"], s["cp_impl"], s["zigzag"]) == (2, 1, 2, "ring", True), s
     assert "world size 2 = dp 1 x cp 2 (ring, zigzag) x tp 1" in run.stdout, run.stdout
-    equals_one_process(run, one, [0, 4, 8], "cp 2")
+    equals_one_process(run, one, [0, 4, 8], "cp 2, ring, zigzag (DDP over the two)")
 
 
 def test_dp_and_cp_sharded_then_tp_and_cp_resumed_are_one_process(runs):
@@ -113,26 +123,27 @@ def test_dp_and_cp_sharded_then_tp_and_cp_resumed_are_one_process(runs):
     all-gather attention and the contiguous split, to step 8: the reference's states at 0, 4 and 8."""
     dpcp, tpcp, one = runs["dpcp"], runs["tpcp"], runs["one"]
     assert (dpcp.summary["dp"], dpcp.summary["cp"], dpcp.summary["parallel"]) == (2, 2, "fsdp")
-    worst, shared = compare(dpcp, one)
+    worst, shared = compare("dp 2 × cp 2, FSDP2 over all four, batch 2", dpcp, one)
     assert shared == [0, 4] and worst <= TOL, f"dp 2 x cp 2 vs one process (seed {SEED}): {worst:.2e}"
     s = tpcp.summary
     assert (s["dp"], s["cp"], s["tp"], s["cp_impl"], s["zigzag"], s["resumed_at"]) == (1, 2, 2, "allgather", False, 4)
     assert "(written by 4 ranks) at step 4" in tpcp.stdout, tpcp.stdout
-    worst, shared = compare(tpcp, one)
+    worst, shared = compare("cp 2 × tp 2, all-gather, contiguous split, resumed from the run above's checkpoint "
+                            "(4 ranks, another layout)", tpcp, one)
     assert shared == [4, 8] and worst <= TOL, f"cp 2 x tp 2 vs one process (seed {SEED}): {worst:.2e}"
     assert s["sample"] == one.summary["sample"], SEED
 
 
 def test_three_cp_ranks_with_accumulation_are_one_process(runs):
     """cp 3 (a world no power of two), 2 micro-batches a step: the states at 0 and 4."""
-    worst, shared = compare(runs["cp3"], runs["one"])
+    worst, shared = compare("cp 3, batch 2 × `--accumulate 2`", runs["cp3"], runs["one"])
     assert shared == [0, 4] and worst <= TOL, f"cp 3 vs one process (seed {SEED}): {worst:.2e}"
 
 
 def test_a_ring_one_hop_short_is_caught(runs):
     """The control of cp2's check: the same command on a copy whose forward stops the ring one hop early (each rank
     never sees one block of keys). It trains without an error, and is far from one process."""
-    worst, _ = compare(runs["broken"], runs["one"])
+    worst, _ = compare("**negative control**: cp 2 with the ring one hop short", runs["broken"], runs["one"])
     assert worst > 1e3 * TOL, f"the broken copy is within {worst:.2e} of one process (seed {SEED})"
 
 
@@ -144,7 +155,7 @@ def test_two_pipeline_stages_are_one_process(runs):
     s = run.summary
     assert (s["world_size"], s["dp"], s["pp"], s["pp_schedule"], s["accumulate"]) == (2, 1, 2, "1f1b", 4), s
     assert "world size 2 = dp 1 x pp 2 (1f1b, 4 micro-batches) x cp 1 x tp 1" in run.stdout, run.stdout
-    equals_one_process(run, one, [0, 4, 8], "pp 2")
+    equals_one_process(run, one, [0, 4, 8], "pp 2, 1F1B, 4 micro-batches of 1 (FSDP2 over a dp of 1)")
 
 
 def test_dp_and_pp_then_all_four_resumed_are_one_process(runs):
@@ -153,19 +164,21 @@ def test_dp_and_pp_then_all_four_resumed_are_one_process(runs):
     and 8."""
     dppp, full, one = runs["dppp"], runs["full"], runs["one"]
     assert (dppp.summary["dp"], dppp.summary["pp"], dppp.summary["pp_schedule"]) == (2, 2, "gpipe")
-    worst, shared = compare(dppp, one)
+    worst, shared = compare("dp 2 × pp 2, GPipe, 2 micro-batches of 1", dppp, one)
     assert shared == [0, 4] and worst <= TOL, f"dp 2 x pp 2 vs one process (seed {SEED}): {worst:.2e}"
     s = full.summary
     assert (s["world_size"], s["dp"], s["pp"], s["tp"], s["cp"], s["resumed_at"]) == (16, 2, 2, 2, 2, 4), s
     assert "world size 16 = dp 2 x pp 2 (1f1b, 2 micro-batches) x cp 2 (ring, zigzag) x tp 2" in full.stdout
     assert "(written by 4 ranks) at step 4" in full.stdout, full.stdout
-    equals_one_process(full, one, [4, 8], "dp 2 x pp 2 x cp 2 x tp 2")
+    equals_one_process(full, one, [4, 8], "**dp 2 × pp 2 × cp 2 × tp 2** on 16 processes, 1F1B, 2 micro-batches "
+                       "of 1, resumed from the run above's checkpoint")
 
 
 def test_a_gradient_norm_of_one_stage_is_caught(runs):
     """The control of pp2's check: the same command on a copy whose gradient norm is each stage's own (no all_reduce
     over the pipeline), so each clips by another norm. It trains without an error, and is far from one process."""
-    worst, _ = compare(runs["ppclip"], runs["one"])
+    worst, _ = compare("**negative control**: pp 2 with each stage clipping by its own blocks' gradient norm",
+                       runs["ppclip"], runs["one"])
     assert worst > 1e3 * TOL, f"the copy is within {worst:.2e} of one process (seed {SEED})"
 
 

@@ -114,18 +114,25 @@ def states(run: Run) -> dict[int, dict]:
     return {s["step"]: s for s in run.trajectory}
 
 
-def compare(run: Run, reference: Run) -> tuple[float, list[int]]:
-    """(the largest gap over the steps both recorded, those steps): the states, and beside them the per-step losses
-    and gradient norms before clipping (numbers the state determines, so they count in the same gap). The norm is
-    the one clipping divides by: a layout that took it over its own shard or slice would scale its steps otherwise."""
+def gaps(run: Run, reference: Run) -> tuple[dict[str, float], list[int]]:
+    """The largest gap of each kind over the steps both recorded ({"state", "losses", "grad_norms"}: the weights and
+    AdamW's moments; every step's loss; its gradient norm before clipping, the one clipping divides by, which a layout
+    that took it over its own shard or slice would get wrong), and those steps."""
     ours, theirs = states(run), states(reference)
     shared = sorted(ours.keys() & theirs.keys())
-    per_step = []
+    found = {"state": max((gap(ours[s], theirs[s]) for s in shared), default=0.0)}
     for key in ("losses", "grad_norms"):
         mine, reference_values = run.summary[key], reference.summary[key]
         assert len(mine) == run.summary["steps"] and len(mine) <= len(reference_values), (key, len(mine))
-        per_step += [abs(a - b) for a, b in zip(mine, reference_values, strict=False)]
-    return max(*per_step, *(gap(ours[s], theirs[s]) for s in shared)), shared
+        found[key] = max((abs(a - b) for a, b in zip(mine, reference_values, strict=False)), default=0.0)
+    return found, shared
+
+
+def compare(run: Run, reference: Run) -> tuple[float, list[int]]:
+    """(the largest gap over the steps both recorded, those steps): the states, and beside them the per-step losses
+    and gradient norms (numbers the state determines, so they count in the same gap)."""
+    found, shared = gaps(run, reference)
+    return max(found.values()), shared
 
 
 def speed_is_the_runs_own_count(run: Run) -> None:

@@ -6,6 +6,10 @@ and it ends at the weights of stage 01 run on the same GPU. float64 rounds ~1e-1
 tolerance holds.
 - one GPU (the first, alone visible): the single-process runs, and 03-10 as one process on it (DDP and
   FSDP on nccl, 07 with both halves of the model on it); float16 autocast with a GradScaler;
+- stages 11 and 12 (a tiny GPT): their training steps after the first two under torch.cuda.set_sync_debug_mode
+  ("error"), so that a step that waits for the GPU fails (tests/sync_debug_step.py; 12's cp 2 on two GPUs), and
+  a step of each one's model on one GPU, 12's ring and all-gather through a fake process group, without a tensor
+  on the host (tests/host_copies.py, which the suite runs on the meta device);
 - two or more: the same with W processes (W = 2, or 4 with 4 or more GPUs; the first W visible), nccl;
   02's DataParallel split over the W GPUs; 07 with two GPUs per process; SyncBatchNorm; the DataParallel
   vs DDP benchmark at a small setting.
@@ -13,6 +17,7 @@ tolerance holds.
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import re
@@ -154,3 +159,30 @@ def test_dataparallel_vs_ddp_benchmark_writes_its_table(tmp_path):
         assert float(printed[1].replace(",", "")) == pytest.approx(rate, rel=1e-5, abs=1), (printed[0], r)
         assert float(printed[2]) == pytest.approx(float(r["vs_dataparallel"]), abs=0.006), (printed[0], r)
     assert (out / "dp_vs_ddp.png").stat().st_size > 0
+
+
+# A tiny GPT, 6 steps: 2 to warm up, then 4 under set_sync_debug_mode("error").
+GPT_TINY = ("--layers", "2", "--heads", "2", "--width", "32", "--context", "24", "--max-steps", "6", "--eval-every",
+            "6", "--sample", "0", "--device", "cuda")
+
+
+@pytest.mark.parametrize(("stage", "nproc", "args"), [
+    pytest.param("11_gpt", 1, (), id="11"),
+    pytest.param("12_context_parallel", 2, ("--cp", "2"), marks=needs_two, id="12-cp2-ring"),
+    pytest.param("12_context_parallel", 2, ("--cp", "2", "--cp-impl", "allgather"), marks=needs_two,
+                 id="12-cp2-allgather")])
+def test_a_gpt_training_step_never_waits_for_the_gpu(stage, nproc, args):
+    """A copy from ordinary host memory, a mask made on the CPU, an .item() in the step: each would raise."""
+    step = Step(stage, "torchrun", (stage, *GPT_TINY, *args), nproc=nproc)  # the driver takes the stage first
+    run = check(launch(step, script=ROOT / "tests" / "sync_debug_step.py", env=visible(nproc), timeout=TIMEOUT))
+    assert run.stdout.count("ran under set_sync_debug_mode('error')") == 4, run.describe()
+
+
+def test_a_gpt_step_on_the_gpu_makes_nothing_on_the_host():
+    """tests/host_copies.py on the GPU: 11's and 12's models, two steps each, no operation on a host tensor and no
+    waiting (set_sync_debug_mode("error")); its planted controls seen."""
+    from host_copies import problems
+    run = check(run_command([sys.executable, str(ROOT / "tests" / "host_copies.py"), "--device", "cuda"],
+                            env=visible(1), timeout=TIMEOUT))
+    report = json.loads(run.stdout)
+    assert report["device"].startswith("cuda") and not problems(report), problems(report)

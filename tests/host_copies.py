@@ -1,0 +1,150 @@
+"""Stages 11 and 12: a training step's forward and backward make no tensor on the host and copy none from it.
+
+A GPU runs ahead of Python only while Python gives it nothing to wait for: a mask or a list of positions made on the
+CPU and copied to the GPU inside the step waits for the copy, every layer. This script builds each stage's GPT on
+--device and runs two steps (forward, loss, backward) under a dispatch mode that records every operation with a
+tensor on the CPU among its inputs or outputs. On `meta`, the suite's stand-in for a GPU (tensors with shapes and no
+data: a copy from the CPU shows as an operation on a CPU tensor, and reading a value, `.item()`, raises), and on
+`cuda`, where the steps also run under torch.cuda.set_sync_debug_mode("error") (any call that waits for the GPU
+raises). 12's context parallelism (cp 2, this process its rank 0) runs through torch's fake process group, whose
+collectives move nothing: what is checked is the code around them.
+
+Besides the count, how many times a step builds the diagonal's mask (`aten.tril`): the ring makes it once per size,
+so the second step builds none. The planted controls are edits of 12's source that make what the issue found: the
+positions made on the host and copied every forward, the mask made on the host and copied every layer, the mask made
+on the device but not kept. Each must be seen.
+
+    python tests/host_copies.py --device meta        prints one JSON object: per case, per step, what was seen
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import types
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = {"layers": 2, "heads": 2, "width": 16, "context": 16}  # a window of 16 tokens: 8 per cp rank
+BATCH, CP = 2, 2
+POSITIONS = "where = torch.arange(t, device=x.device) if self.cp is None else self.cp.positions(t, x.device)"
+MASK = "return torch.ones(rows, before + rows, dtype=torch.bool, device=device).tril(before)"
+CACHE = "@functools.cache\ndef causal_mask("
+CASES = ["11", "12 ring zigzag", "12 ring contiguous", "12 allgather zigzag", "12 allgather contiguous"]
+PLANTED = {  # name: the edits of 12_context_parallel/train.py (old, new)
+    "positions from the host": [(POSITIONS, "where = (torch.arange(t) if self.cp is None else "
+                                            "self.cp.positions(t, 'cpu')).to(x.device)")],
+    "mask from the host, every layer": [(MASK, "return torch.ones(rows, before + rows, dtype=torch.bool)"
+                                               ".tril(before).to(device)"), (CACHE, "def causal_mask(")],
+    "mask made again every layer": [(CACHE, "def causal_mask(")],
+}
+
+
+class HostTensors(TorchDispatchMode):
+    """Records the name of every operation with a CPU tensor among its inputs or outputs; counts the masks built."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host: list[str] = []
+        self.tril = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tree_leaves((args, kwargs, out))):
+            self.host.append(str(func))
+        self.tril += func.overloadpacket is torch.ops.aten.tril
+        return out
+
+
+def load(stage: str, edits: list[tuple[str, str]] = ()) -> types.ModuleType:
+    """A stage's train.py as a fresh module, with `edits` made to its source."""
+    path = ROOT / stage / "train.py"
+    text = path.read_text()
+    for old, new in edits:
+        if text.count(old) != 1:
+            raise SystemExit(f"{path.relative_to(ROOT)}: expected exactly one {old!r} to replace")
+        text = text.replace(old, new)
+    module = types.ModuleType(f"host_copies_{stage}")
+    module.__file__ = str(path)
+    exec(compile(text, str(path), "exec"), module.__dict__)
+    return module
+
+
+def steps(module: types.ModuleType, device: torch.device, impl: str | None, zigzag: bool) -> list[dict]:
+    """Two steps of the stage's GPT on `device` (with cp 2 by `impl`, or without cp for None): per step, the
+    operations on host tensors and the masks built."""
+    cfg = module.Config(vocab=65, **SIZES)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = module.GPT(cfg)
+    t = cfg.context
+    if impl is not None:  # what 12's parallelize() does for --cp
+        model.cp = cp = module.ContextParallel(dist.group.WORLD, impl, zigzag)
+        for block in model.blocks.values():
+            block.attn.cp = cp
+        t //= CP
+    x, y = (torch.randint(0, cfg.vocab, (BATCH, t), device=device) for _ in range(2))
+    seen = []
+    for _ in range(2):
+        waited = None
+        with HostTensors() as mode:
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                loss.backward()
+            except RuntimeError as e:  # set_sync_debug_mode("error") raises where the host would wait
+                waited = str(e).splitlines()[0]
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.set_sync_debug_mode(0)
+        seen.append({"host": mode.host, "tril": mode.tril, "waited": waited})
+    return seen
+
+
+def problems(report: dict) -> list[str]:
+    """What is wrong in a report: a case with an operation on a host tensor, a second step of 12 that builds a mask
+    again, a planted control that went unseen."""
+    found = []
+    if list(report["cases"]) != CASES:
+        found.append(f"cases {list(report['cases'])}, expected {CASES}")
+    for case, seen in report["cases"].items():
+        for i, step in enumerate(seen, start=1):
+            if step["host"] or step["waited"]:
+                found.append(f"{case}, step {i}: {len(step['host'])} operations on host tensors "
+                             f"{step['host'][:5]}, waited: {step['waited']}")
+        if case.startswith("12") and seen[1]["tril"]:
+            found.append(f"{case}: the second step built {seen[1]['tril']} masks")
+    for name, seen in report["planted"].items():
+        rebuilt = name == "mask made again every layer"
+        if not all(step["tril"] if rebuilt else step["host"] or step["waited"] for step in seen):
+            found.append(f"planted {name!r} unseen: {seen}")
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["meta", "cuda"], default="meta")
+    device = torch.device(parser.parse_args().device)
+    dist.init_process_group(f"cpu:fake,{device.type}:fake", store=FakeStore(), rank=0, world_size=CP)
+    report: dict = {"device": str(device), "cases": {}, "planted": {}}
+    report["cases"]["11"] = steps(load("11_gpt"), device, None, False)
+    stage12 = load("12_context_parallel")
+    for impl in ("ring", "allgather"):
+        for zigzag in (True, False):
+            report["cases"][f"12 {impl} {'zigzag' if zigzag else 'contiguous'}"] = steps(stage12, device, impl, zigzag)
+    for name, edits in PLANTED.items():
+        report["planted"][name] = steps(load("12_context_parallel", edits), device, "ring", True)
+    dist.destroy_process_group()
+    json.dump(report, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
