@@ -209,12 +209,15 @@ def _job_members(tag: str) -> list[int]:
 
     Found by their environment, not their process group: torchrun starts each worker in a
     session of its own (torch.distributed.elastic's subprocess handler), out of the launcher's group.
+    Or by their name: a rank forked by the tests' launcher (tests/forkrun.py) keeps the environment of the process
+    it was forked from, and carries the tag's last 15 characters as its name (PR_SET_NAME) instead.
     """
-    needle = f"{JOB_TAG}={tag}".encode()
+    needle, name = f"{JOB_TAG}={tag}".encode(), tag[-15:]
     found = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            if needle in (proc / "environ").read_bytes().split(b"\0") and \
+            if (needle in (proc / "environ").read_bytes().split(b"\0") or
+                    (proc / "comm").read_text().rstrip("\n") == name) and \
                     (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
                 found.append(int(proc.name))
         except OSError:  # gone meanwhile

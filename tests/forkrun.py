@@ -19,8 +19,11 @@ harness.forkrun_server) that imports torch once and forks a leader for each laun
 was imported with (else the launch imports for itself, as above). The leader takes the launch's stdin, stdout,
 stderr, working directory and environment, runs its ranks, and answers with the exit status; the launch, a small
 process that never imports torch, waits for it, and if the launch is killed (its test's time limit) the leader kills
-the ranks at once. The harness's survivor check cannot see a leader's processes (they carry the server's environment),
-so the leader reaps every rank before it answers.
+the ranks at once. A leader's processes carry the server's environment as their own (/proc/PID/environ is what a
+process was started with), so the leader names itself after the launch's tag (PR_SET_NAME: its last 15 characters)
+and its ranks inherit the name: the harness's survivor check finds them by it (tour._job_members), and the leader
+reaps every rank before it answers. The server looks every second for the session that started it, and ends with
+it, its leaders and ranks too, however the session ended.
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ def run_rank(script: str, args: list[str], env: dict[str, str]) -> int:
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # what `python script` puts first
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        runpy.run_path(os.path.abspath(script), run_name="__main__")  # __file__ absolute, as `python script` gives
     except SystemExit as e:  # sys.exit(2) after a refusal, or sys.exit("message")
         if isinstance(e.code, int) or e.code is None:
             code = e.code or 0
@@ -217,7 +220,8 @@ def lead(conn: socket.socket, request: dict, fds: list[int]) -> None:
     os.environ.update(request["env"])
     sys.dont_write_bytecode = bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))  # read by Python as it starts
     tag = request["env"].get("DDP_TUTORIAL_JOB", "")
-    # The process's name carries the launch's tag (its last 15 characters): `pytest --cpu-profile` finds its owner so.
+    # The process's name carries the launch's tag (its last 15 characters), and so do the ranks it forks: the
+    # survivor check (tour._job_members) finds them by it, and `pytest --cpu-profile` finds its owner so.
     ctypes.CDLL(None).prctl(15, tag[-15:].encode(), 0, 0, 0)  # PR_SET_NAME
     code = run_ranks(request["nproc"], request["port"], request["script"], request["args"], client=conn)
     sys.stdout.flush()
@@ -238,7 +242,10 @@ def serve(path: str) -> None:
     listener.listen(64)
     Path(f"{path}.env.tmp").write_text(json.dumps({"env": before, "added": added}))
     os.rename(f"{path}.env.tmp", f"{path}.env")  # clients read it first: whole or not at all
+    session = os.getppid()
     while True:
+        if os.getppid() != session:  # the test session that started this server is gone, however it ended (a
+            os.killpg(0, signal.SIGKILL)  # SIGKILL runs no finally): this server, its leaders and their ranks go too
         with contextlib.suppress(ChildProcessError):
             while os.waitpid(-1, os.WNOHANG)[0]:  # leaders that have ended
                 pass

@@ -23,6 +23,7 @@ Each comparison prints its row of 12's README table (`pytest tests/test_context_
 """
 from __future__ import annotations
 
+import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,7 +35,9 @@ from test_gpt import gaps, refusal
 STAGE = "12_context_parallel"
 TOL = tolerance("float64")
 DATA = ROOT / "11_gpt" / "data" / "input.txt"
-SEED = random.randrange(10_000)  # the same for every run of the session: they must agree with each other
+# The same for every run of the session (they must agree with each other); every failure names it, and
+# CONTEXT_PARALLEL_SEED=<seed> pytest tests/test_context_parallel.py reruns it.
+SEED = int(os.environ.get("CONTEXT_PARALLEL_SEED") or random.randrange(10_000))
 TINY = ("--layers", "2", "--heads", "2", "--width", "32", "--context", "24", "--dtype", "float64", "--device", "cpu",
         "--eval-every", "4", "--save-every", "4", "--sample", "30", "--lr", "0.01", "--warmup-steps", "2",
         "--clip", "1.0", "--seed", str(SEED), "--data", str(DATA))
@@ -65,6 +68,7 @@ PP2 = ("--pp", "2", "--parallel", "fsdp", "--batch-size", "1", "--accumulate", "
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Run]:
     tmp = tmp_path_factory.mktemp("cp")
+    print(f"seed {SEED}: CONTEXT_PARALLEL_SEED={SEED} reruns it")  # shown with any failure of the tests below
     broken = mutate(STAGE, RING, SHORT, tmp / "broken_stage")
     ppclip = mutate(STAGE, PP_NORM, "", tmp / "ppclip_stage")
     chains = {  # the 16- and 4-process ones first, so that the smaller ones fill in beside them

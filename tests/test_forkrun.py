@@ -107,8 +107,9 @@ def test_a_killed_launch_takes_its_ranks_with_it(tmp_path):
             pids = [int(line.split(" pid ")[1].split()[0]) for line in job.output().splitlines() if " pid " in line]
             if len(pids) == 2:
                 ranks.extend(pids)
-                for pid in job.members():  # the launch, not the ranks: they carry the server's environment
-                    os.kill(pid, signal.SIGKILL)
+                for pid in job.members():  # the launch, not the ranks (forked from the server: its command line)
+                    if "--serve" not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                        os.kill(pid, signal.SIGKILL)
                 return
             time.sleep(0.02)
 
@@ -121,6 +122,85 @@ def test_a_killed_launch_takes_its_ranks_with_it(tmp_path):
         time.sleep(0.05)
     else:
         raise AssertionError(f"ranks {ranks} outlived their launch")
+
+
+def test_a_process_a_served_rank_leaves_behind_is_found_and_killed(tmp_path):
+    """The planted leftover: a rank forks a child that waits for ever, and ends. The child carries the server's
+    environment (a fork's /proc/PID/environ is its exec's), not the job's tag: the survivor check must find it by
+    the name the leader gave the job's processes, report it and kill it."""
+    path = script(tmp_path, """\
+        import signal
+        child = os.fork()
+        if child == 0:
+            signal.pause()  # until killed
+            os._exit(0)
+        print(f"left {child}", flush=True)
+        """)
+    run = run_job(forked([[*harness.TORCHRUN, "--standalone", "--nproc_per_node=2", str(path)]]), timeout=60)
+    left = sorted(int(line.split()[1]) for line in run.stdout.splitlines() if line.startswith("left "))
+    assert run.returncode == 0 and "served True" in run.stdout and len(left) == 2, run.describe()
+    assert sorted(run.survivors) == left, run.describe()
+    for _ in range(1000):  # SIGKILL lands a moment later; 1000 looks of 0.05 s: a hang guard, not a time bound
+        if not any(alive(pid) for pid in left):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"{left} outlived the check that found them")
+
+
+SESSION = textwrap.dedent("""\
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, sys.argv[2])
+    import harness
+    with harness.forkrun_server(Path(sys.argv[1])):  # as conftest's session fixture starts it
+        print("started", flush=True)
+        sys.stdin.read()  # until the test ends this process
+    """)
+
+
+def server_of(folder: Path) -> int | None:
+    """The pid of the server listening at folder/socket, if one is alive."""
+    needle = f"--serve\0{folder / 'socket'}\0".encode()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle in (proc / "cmdline").read_bytes() and alive(int(proc.name)):
+                return int(proc.name)
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_the_server_ends_with_its_session_however_the_session_ends(tmp_path, how):
+    """A stand-in for a test session (a process that starts a server as conftest does, then waits) is ended by
+    SIGTERM (what `timeout` and CI limits send; Python then runs no `finally`) or SIGKILL. Its server, which looks
+    for its session every second, must be gone within that second plus its own start-up, timed in the same run (the
+    server's import of torch: a margin for a loaded machine)."""
+    import subprocess
+    start = time.monotonic()
+    session = subprocess.Popen([sys.executable, "-c", SESSION, str(tmp_path), str(Path(__file__).parent)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=harness.clean_env())
+    try:
+        assert session.stdout.readline() == b"started\n"
+        ready = tmp_path / "socket.env"
+        for _ in range(6000):  # a hang guard, not a time bound
+            if ready.exists():
+                break
+            time.sleep(0.01)
+        startup, server = time.monotonic() - start, server_of(tmp_path)
+        assert ready.exists() and server is not None, "the stand-in session's server never started"
+        session.send_signal(how)
+        session.wait()
+        killed = time.monotonic()
+        while alive(server) and time.monotonic() < killed + 1.0 + startup:
+            time.sleep(0.02)
+        assert not alive(server), f"the server outlived its session by {time.monotonic() - killed:.1f} s " \
+                                  f"(bound: 1 s + its start-up {startup:.1f} s)"
+    finally:
+        session.kill()
+        if (left := server_of(tmp_path)) is not None:
+            os.killpg(left, signal.SIGKILL)
 
 
 def test_the_readme_torchrun_forks_its_one_form_and_hands_the_others_to_torchrun(tmp_path):

@@ -5,9 +5,10 @@ on it prints what the page shows, and its claims hold.
   compute hf_single.py's training: every step's loss and gradient norm, and the final weights, within 1e-10 in
   float64 (measured: 2e-14). The negative controls: a copy of each where every rank keeps rank 0's rows ends 0.04
   from it.
-- hf_fsdp.py --checkpoint: the same final weights, bit for bit. --init with --steps 0: the file, bit for bit (rank 0
-  read it, broadcast_from_rank0 sent the shards). The tied head: still the embedding's matrix after training; a unit
-  of its own for the embedding splits the tie, and torch refuses it.
+- hf_fsdp.py --checkpoint: every block's forward run again in backward (counted; the control, a --checkpoint that
+  does nothing, is told apart) and the same final weights, bit for bit. --init with --steps 0: the file, bit for bit
+  (rank 0 read it, broadcast_from_rank0 sent the shards). The tied head: still the embedding's matrix after training;
+  a unit of its own for the embedding splits the tie, and torch refuses it.
 - --mp bf16 (the page's fine-tune): finite losses, the first within 1e-2 of the same weights' loss in float64 and
   not equal to it; the logits reach the loss in float32 (output_dtype). --compile: 2 steps at W = 1, the losses of
   the float64 run within 1e-4, one graph compiled for both blocks.
@@ -54,6 +55,10 @@ RUNS = [b for b in BLOCKS if b.kind == "run"]
 TORCHRUN_2 = ["torchrun", "--standalone", "--nproc_per_node=2"]  # how the page starts a distributed script
 TOL = 1e-10  # float64: layouts differ by 2e-14 after 10 steps; a bug by far more (the controls: 0.04)
 WRONG_SPLIT = (".chunk(world_size)[rank]", ".chunk(world_size)[0]")  # the controls: every rank keeps rank 0's rows
+# The control of --checkpoint: a copy whose flag wraps nothing (the blocks keep every activation, as without it).
+NO_CHECKPOINT = ("block.forward = partial(checkpoint, block.forward, use_reentrant=False)", "pass")
+COUNTED = ("checkpoint", "checkpoint_does_nothing")  # and the page's hf_fsdp.py run: drive() counts their blocks'
+BLOCK_FORWARDS = "block_forwards.json"  # forwards (recomputations included) on rank 0, into this file
 
 
 def module(path: Path, change: tuple[str, str] | None = None) -> types.ModuleType:
@@ -137,6 +142,8 @@ def phases() -> tuple[list[dict], dict[str, str]]:
     assert fsdp, "the page lost its hf_fsdp.py command from random weights"
     runs += [{"name": "checkpoint", "script": "your_model/hf_fsdp.py",
               "argv": [*fsdp, "--checkpoint", "--out", "runs/hf_fsdp_checkpoint"]},
+             {"name": "checkpoint_does_nothing", "script": "your_model/hf_fsdp.py", "change": NO_CHECKPOINT,
+              "argv": [*fsdp, "--checkpoint", "--out", "runs/hf_fsdp_checkpoint_does_nothing"]},
              {"name": "ddp_wrong_split", "script": "your_model/hf_ddp.py", "change": WRONG_SPLIT,
               "argv": [*ddp, "--out", "runs/hf_ddp_wrong_split"]},
              {"name": "fsdp_wrong_split", "script": "your_model/hf_fsdp.py", "change": WRONG_SPLIT,
@@ -250,11 +257,23 @@ def test_ddp_and_fsdp_compute_the_single_device_training(ran):
         assert f"ends {control:.2f} away" in text, f"the page's control distance: {control:.2f}"
 
 
+def recomputes(forwards: int, plain: int) -> bool:
+    """Whether a run's block forwards are those of a run that recomputes every block once in backward: twice the
+    plain run's."""
+    return plain > 0 and forwards == 2 * plain
+
+
 @needs_transformers
-def test_activation_checkpointing_is_the_same_training_bit_for_bit(ran):
+def test_activation_checkpointing_recomputes_and_is_the_same_training_bit_for_bit(ran):
+    """--checkpoint runs every block's forward again in its backward (counted at GPT2Block.forward: twice the plain
+    run's calls) and ends at the plain run's weights bit for bit. The control, a --checkpoint that wraps nothing,
+    trains the same too, and the count tells it apart: the bit equality alone could not."""
     plain, checkpointed = ran.weights(OUT[page_run("hf_fsdp.py")]), ran.weights(OUT["checkpoint"])
     assert ran.summary(OUT["checkpoint"])["args"]["checkpoint"]
     assert plain.keys() == checkpointed.keys() and all(torch.equal(plain[k], checkpointed[k]) for k in plain)
+    calls = json.loads((ran.work / BLOCK_FORWARDS).read_text())
+    assert recomputes(calls["checkpoint"], calls[page_run("hf_fsdp.py")]), calls
+    assert not recomputes(calls["checkpoint_does_nothing"], calls[page_run("hf_fsdp.py")]), calls
 
 
 @needs_transformers
@@ -368,12 +387,25 @@ def drive(phases_file: str) -> None:
     script (or of its changed copy), in one process group, joined once (the scripts' own init and destroy calls
     are skipped). Rank 0 prints "=== NAME" before each."""
     import torch.distributed as dist
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
     dist.init_process_group("gloo")
+    forwards, block_forward = {}, GPT2Block.forward
+    counted = [page_run("hf_fsdp.py"), *COUNTED]
+
+    def counting(self, *args, **kwargs):  # a recomputation in backward calls it too (checkpoint calls forward)
+        forwards[name] += 1
+        return block_forward(self, *args, **kwargs)
+
     with mock.patch.object(dist, "init_process_group"), mock.patch.object(dist, "destroy_process_group"):
         for run in json.loads(Path(phases_file).read_text()):
+            name = run["name"]
             if dist.get_rank() == 0:
-                print(f"=== {run['name']}", flush=True)
-            module(ROOT / run["script"], run.get("change")).main(run["argv"])
+                print(f"=== {name}", flush=True)
+            forwards[name] = 0
+            with mock.patch.object(GPT2Block, "forward", counting) if name in counted else contextlib.nullcontext():
+                module(ROOT / run["script"], run.get("change")).main(run["argv"])
+    if dist.get_rank() == 0:
+        Path(BLOCK_FORWARDS).write_text(json.dumps({name: forwards[name] for name in counted}))
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # as the scripts leave (your_model/index.md, "Leaving")

@@ -328,3 +328,36 @@ def test_every_output_block_is_compared_or_skipped_with_a_reason():
     left = [b.id for b in text_blocks() if b.id not in named | skipped]
     assert not left, f"output blocks neither compared nor skipped with a reason: {left}"
     assert not named & skipped, named & skipped
+
+
+def test_the_comparison_catches_what_it_must():
+    """drift(), pattern() and close() themselves, on two real blocks and copies of them with one thing changed (no
+    launch): each block as printed passes, and so does a number that measures the machine (a duration, a
+    throughput) changed; a deterministic number past its tolerance, a word, a missing line, two lines in another
+    order each fail. A comparator that matched anything would pass every entry above and fail here."""
+    def entry_and_text(doc: str, first: str) -> tuple[Shown, str]:
+        (entry,) = [e for e in SHOWN if (e.doc, e.first) == (doc, first)]
+        (text,) = which(doc, first)
+        return entry, "\n".join(line for line in text.body.splitlines() if compared(line))  # as a full run prints
+
+    one, printed = entry_and_text("01_single_gpu/README.md", "[01_single_gpu] device cpu")
+    assert "train loss 0.0483 | 0.05s" in printed and "accuracy 97.10%" in printed, printed
+    passes = {"as printed": printed, "the last digit one unit off": printed.replace("0.0483", "0.0484"),
+              "a duration": printed.replace("0.0483 | 0.05s", "0.0483 | 9.99s")}
+    fails = {"a loss two units off": printed.replace("0.0483", "0.0485"),
+             "an accuracy": printed.replace("97.10%", "97.30%"), "a word": printed.replace("held-out", "held-in"),
+             "a line missing": "\n".join(line for line in printed.splitlines() if not line.startswith("epoch 19/")),
+             "two lines swapped": printed.replace("epoch 19/20", "SWAP").replace("epoch 20/20", "epoch 19/20")
+                                         .replace("SWAP", "epoch 20/20")}
+    shown = "\n".join(which(one.doc, one.first)[0].body.splitlines())
+    assert {k: drift(one, shown, v) for k, v in passes.items()} == {k: [] for k in passes}
+    assert all(drift(one, shown, v) for v in fails.values()), {k: drift(one, shown, v) for k, v in fails.items()}
+    # A float32 GPT run: its losses within F32_GPT of themselves, its tokens/s and gradient norms masked.
+    gpt, printed = entry_and_text("12_context_parallel/README.md", "[12_context_parallel] world size 2 = dp 1 x cp 2")
+    shown = which(gpt.doc, gpt.first)[0].body
+    assert "train loss 3.5093" in printed and "| 7,119 tokens/s" in printed, printed
+    assert not drift(gpt, shown, printed.replace("3.5093", "3.5200").replace("7,119 tokens/s", "1 tokens/s"))
+    assert drift(gpt, shown, printed.replace("3.5093", "3.6000"))
+    # close(): the unit of the last shown digit, of the mantissa for a power of ten; an integer exactly.
+    assert [close("5.8e-16", "5.9e-16"), close("5.8e-16", "6.0e-16"), close("1,234", "1,235"),
+            close("0.5985", "0.5986"), close("0.5985", "0.5987")] == [True, False, False, True, False]

@@ -20,9 +20,10 @@ one of three honest ways, never in a traceback, a hang or a silently different t
 Which settings: in CI a covering table over one script for each way of reading the data and taking a step
 (CI_SCRIPTS: 13 of the 21), each once at settings chosen so that every pair of values of (W, batch per process,
 dtype, seed and learning rate) appears somewhere in the table (a greedy pairwise cover, `covering()`), plus the rows
-that only some scripts have (pipeline and tensor-parallel layouts, resuming on another W) and the refused one: 17
-rows, 18 launches, 41 s on 2 cores alone (1.3 CPU-minutes; measured 2026-11-27, the launches forked from the
-suite's server, tests/forkrun.py).
+that only some scripts have (pipeline and tensor-parallel layouts, resuming on another W), stage 03 replayed at
+W = 3 (the cover gives it float32 at lr 0.1, which need only learn) and the refused one: 18 rows, 19 launches, 63 s
+alone on a 2-core machine without AVX-512 (2026-11-27; the launches forked from the suite's server,
+tests/forkrun.py). A control replays one W = 3 row as if nothing were padded: it must fail.
 `pytest tests/test_settings.py --sweep=full` runs the full grid instead: every script at every combination its
 layout allows, every layout, resuming both ways (1,030 launches: 2 to 3 hours on 2 cores, at ~16 CPU-s a launch).
 """
@@ -207,6 +208,8 @@ def layouts() -> list[Setting]:
             rows.append(setting(script, combo, variant=variant))
     # A snapshot of W = 3 (batch 32 each: 96 a step) resumed by W = 4 (24 each: the same 96).
     rows.append(Setting("06_checkpoint", 4, 24, "float64", 5, 0.05, resume_from=3))
+    # mp.spawn (03) replayed at W = 3 too: the cover's row for it is float32 at lr 0.1, which need only learn.
+    rows.append(Setting("03_ddp_spawn", 3, 33, "float64", 0, 0.05))
     return [*rows, REFUSED]
 
 
@@ -253,7 +256,7 @@ def run_setting(s: Setting, tmp: Path) -> Outcome:
 @pytest.fixture(scope="module")
 def outcomes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
     chosen = [item.callspec.params["setting"] for item in request.session.items
-              if item.module is request.module and "setting" in getattr(item, "callspec", pytest).params]
+              if item.module is request.module and "setting" in getattr(getattr(item, "callspec", None), "params", {})]
     tmp = tmp_path_factory.mktemp("settings")
 
     def one(s: Setting) -> Outcome | BaseException:
@@ -329,3 +332,20 @@ def test_setting(setting: Setting, outcomes: dict[str, Outcome]) -> None:
     replay = replay_error(s, trajectory)
     assert replay <= tolerance(s["dtype"]), \
         f"epoch replay {replay:.2e} > {tolerance(s['dtype']):.1e} ({s['dtype']}): not stage 01's training"
+
+
+def test_a_replay_that_ignores_the_padding_fails(outcomes: dict[str, Outcome]) -> None:
+    """The control of the padded replay: a W = 3 float64 row's own run, replayed as if its ranks had shared stage
+    01's order of 4,096 samples without repeating any (its summary without `epoch_samples`), is far from it. So the
+    rows above pass because the replay follows the order the run said it used, not because any order would do."""
+    rows = [s for s in full() if s.id in outcomes and s.expect == "replay" and s.world == 3 and
+            s.dtype == "float64" and not s.resume_from and isinstance(outcomes[s.id], Outcome)]
+    padded = [(s.id, outcomes[s.id]) for s in rows if outcomes[s.id].run.returncode == 0 and
+              "epoch_samples" in outcomes[s.id].run.summary]
+    if not padded:
+        pytest.skip("no W = 3 float64 replay ran in this session (run the module whole)")
+    key, outcome = padded[0]
+    summary = {k: v for k, v in outcome.run.summary.items() if k != "epoch_samples"}
+    honest, ignored = replay_error(outcome.run.summary, outcome.run.trajectory), \
+        replay_error(summary, outcome.run.trajectory)
+    assert honest <= tolerance("float64") < 1e3 * tolerance("float64") < ignored, (key, honest, ignored)
