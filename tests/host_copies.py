@@ -22,7 +22,6 @@ import argparse
 import json
 import sys
 import types
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import ROOT, edited
+
 SIZES = {"layers": 2, "heads": 2, "width": 16, "context": 16}  # a window of 16 tokens: 8 per cp rank
 BATCH, CP = 2, 2
 POSITIONS = "where = torch.arange(t, device=x.device) if self.cp is None else self.cp.positions(t, x.device)"
@@ -66,14 +66,9 @@ class HostTensors(TorchDispatchMode):
 def load(stage: str, edits: list[tuple[str, str]] = ()) -> types.ModuleType:
     """A stage's train.py as a fresh module, with `edits` made to its source."""
     path = ROOT / stage / "train.py"
-    text = path.read_text()
-    for old, new in edits:
-        if text.count(old) != 1:
-            raise SystemExit(f"{path.relative_to(ROOT)}: expected exactly one {old!r} to replace")
-        text = text.replace(old, new)
     module = types.ModuleType(f"host_copies_{stage}")
     module.__file__ = str(path)
-    exec(compile(text, str(path), "exec"), module.__dict__)
+    exec(compile(edited(path, edits), str(path), "exec"), module.__dict__)
     return module
 
 

@@ -10,22 +10,19 @@ step that ran checked (the stage ends with os._exit: nothing runs after main). t
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import load_stage
+
 WARM_UP = 2
 
 
 def main() -> None:
     stage, argv = sys.argv[1], sys.argv[2:]
-    spec = importlib.util.spec_from_file_location(f"checked_{stage}", ROOT / stage / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_stage(stage)
     plain = module.Trainer._run_step
 
     def run_step(self) -> torch.Tensor:

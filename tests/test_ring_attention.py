@@ -330,25 +330,40 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         g = torch.Generator().manual_seed(args.seed * 100 + cp * 4 + causal * 2 + zigzag)
         return [torch.randn(SHAPE, generator=g, dtype=torch.float64) for _ in range(4)]
 
+    def one_process(q, k, v, dout, causal: bool) -> list[torch.Tensor]:
+        """F.scaled_dot_product_attention of the whole sequence in this process: [out, dq, dk, dv]."""
+        whole = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        out = F.scaled_dot_product_attention(*whole, is_causal=causal)
+        out.backward(dout)
+        return [out.detach(), *(x.grad for x in whole)]
+
+    def split(module: types.ModuleType, function: str, group, cp: int, causal: bool, zigzag: bool, q, k, v, dout,
+              autocast: bool = False) -> list[torch.Tensor]:
+        """The same through `module`'s `function` (ring_attention, allgather_attention), each rank on its share;
+        every rank's results put back at their tokens' places, in float64: [out, dq, dk, dv], whole."""
+        me = dist.get_rank(group)
+        share = [module.split_sequence(x, cp, me, zigzag, dim=2).requires_grad_() for x in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # as the stage runs --amp bf16
+            out = getattr(module, function)(*share, group, causal, zigzag)
+        out.backward(module.split_sequence(dout, cp, me, zigzag, dim=2))
+        joined = []
+        for mine in [out.detach(), *(x.grad for x in share)]:
+            shares = [torch.empty_like(mine) for _ in range(cp)]
+            dist.all_gather(shares, mine.contiguous(), group=group)
+            whole = torch.empty(q.shape, dtype=torch.float64)
+            for r, part in enumerate(shares):
+                whole[..., module.local_positions(q.shape[2], cp, r, zigzag), :] = part.double()
+            joined.append(whole)
+        return joined
+
     def errors(module: types.ModuleType, function: str, group, cp: int, causal: bool, zigzag: bool) -> dict:
         """Max |difference| of the output and of q, k, v's gradients, reassembled, from one process's attention."""
         q, k, v, dout = inputs(cp, causal, zigzag)
-        whole = [x.clone().requires_grad_() for x in (q, k, v)]
-        reference = F.scaled_dot_product_attention(*whole, is_causal=causal)
-        reference.backward(dout)
-        me = dist.get_rank(group)
-        share = [module.split_sequence(x, cp, me, zigzag, dim=2).requires_grad_() for x in (q, k, v)]
-        out = getattr(module, function)(*share, group, causal, zigzag)
-        out.backward(module.split_sequence(dout, cp, me, zigzag, dim=2))
         found = {}
-        for name, mine, expected in zip(("out", "dq", "dk", "dv"), [out.detach(), *(x.grad for x in share)],
-                                        [reference.detach(), *(x.grad for x in whole)], strict=True):
-            shares = [torch.empty_like(mine) for _ in range(cp)]
-            dist.all_gather(shares, mine.contiguous(), group=group)
-            joined = torch.empty_like(expected)
-            for r, part in enumerate(shares):  # every rank's share back at its tokens' places
-                joined[..., module.local_positions(SHAPE[2], cp, r, zigzag), :] = part
-            error = (joined - expected).abs().max().item()
+        for name, got, expected in zip(("out", "dq", "dk", "dv"),
+                                       split(module, function, group, cp, causal, zigzag, q, k, v, dout),
+                                       one_process(q, k, v, dout, causal), strict=True):
+            error = (got - expected).abs().max().item()
             found[name] = error if math.isfinite(error) else math.inf  # NaN compares as "small": make it large
         return found
 
@@ -373,34 +388,16 @@ def worker(rank: int, args: argparse.Namespace) -> None:
             return {name: ((a.double() - b).norm() / b.norm()).item()
                     for name, a, b in zip(("out", "dq", "dk", "dv"), results, truth, strict=True)}
 
-        def one_process(dtype: torch.dtype) -> list[torch.Tensor]:
-            whole = [x.to(dtype, copy=True).requires_grad_() for x in (q, k, v)]
-            out = F.scaled_dot_product_attention(*whole, is_causal=True)
-            out.backward(dout.to(dtype))
-            return [out.detach(), *(x.grad for x in whole)]
+        truth = one_process(q, k, v, dout, True)
+        low = [x.bfloat16() for x in (q, k, v, dout)]
 
-        def split(mod: types.ModuleType, function: str, autocast: bool = False) -> list[torch.Tensor]:
-            me = dist.get_rank(group)
-            share = [mod.split_sequence(x.bfloat16(), cp, me, True, dim=2).requires_grad_() for x in (q, k, v)]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # as the stage runs --amp bf16
-                out = getattr(mod, function)(*share, group, True, True)
-            out.backward(mod.split_sequence(dout.bfloat16(), cp, me, True, dim=2))
-            joined = []
-            for mine in [out.detach(), *(x.grad for x in share)]:
-                shares = [torch.empty_like(mine) for _ in range(cp)]
-                dist.all_gather(shares, mine.contiguous(), group=group)
-                whole = torch.empty(BF16["shape"], dtype=torch.float64)
-                for r, part in enumerate(shares):
-                    whole[..., mod.local_positions(BF16["shape"][2], cp, r, True), :] = part.double()
-                joined.append(whole)
-            return joined
+        def ours(mod: types.ModuleType, function: str, autocast: bool = False) -> dict:
+            return relative(split(mod, function, group, cp, True, True, *low, autocast=autocast), truth)
 
-        truth = one_process(torch.float64)
-        sdpa = relative(one_process(torch.bfloat16), truth)
-        correct = {"sdpa": sdpa, **{function: relative(split(module, function), truth) for function in FUNCTIONS},
-                   "ring_attention under autocast": relative(split(module, "ring_attention", autocast=True), truth)}
-        return {"correct": correct, "narrow": {"sdpa": sdpa, "ring_attention":
-                                               relative(split(control, "ring_attention"), truth)}}
+        sdpa = relative(one_process(*low, True), truth)
+        correct = {"sdpa": sdpa, **{function: ours(module, function) for function in FUNCTIONS},
+                   "ring_attention under autocast": ours(module, "ring_attention", autocast=True)}
+        return {"correct": correct, "narrow": {"sdpa": sdpa, "ring_attention": ours(control, "ring_attention")}}
 
     for cp, members in groups.items():
         for ranks, group in members:
