@@ -250,6 +250,6 @@ except ImportError:
 # the two cores are already busy computing. In the README's measurement two thirds of the all-reduce time ran
 # under backward, but backward stretched from 97 to 140 ms and the step shrank by only ~6%, within the noise.
 # On GPUs, nccl's kernels and the network run beside the compute kernels, so the hidden time comes off the step:
-# that is what DDP's overlap is for (not measured here: this tutorial has not run on a GPU).
+# that is what DDP's overlap is for (not measured here: this tutorial has run on one GPU only, never on two).
 #
 # Back to the [README](../ddp_by_hand/README.md), or on to [05_multinode](05_multinode.ipynb).

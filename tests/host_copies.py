@@ -3,11 +3,14 @@
 A GPU runs ahead of Python only while Python gives it nothing to wait for: a mask or a list of positions made on the
 CPU and copied to the GPU inside the step waits for the copy, every layer. This script builds each stage's GPT on
 --device and runs two steps (forward, loss, backward) under a dispatch mode that records every operation with a
-tensor on the CPU among its inputs or outputs. On `meta`, the suite's stand-in for a GPU (tensors with shapes and no
-data: a copy from the CPU shows as an operation on a CPU tensor, and reading a value, `.item()`, raises), and on
-`cuda`, where the steps also run under torch.cuda.set_sync_debug_mode("error") (any call that waits for the GPU
-raises). 12's context parallelism (cp 2, this process its rank 0) runs through torch's fake process group, whose
-collectives move nothing: what is checked is the code around them.
+tensor on the CPU among its inputs or outputs, scalars (0-dim) apart: a CUDA kernel takes a CPU scalar by value,
+with no copy and nothing to wait for, and SDPA's memory-efficient kernels return their random seed and offset as two
+of them (the first run on a GPU, an H200, counted 4 such operations in a float32 step of 11). On `meta`, the suite's
+stand-in for a GPU (tensors with shapes and no data: a copy from the CPU shows as an operation on a CPU tensor, and
+reading a value, `.item()`, raises), and on `cuda`, where the steps also run under
+torch.cuda.set_sync_debug_mode("error") (any call that waits for the GPU raises). 12's context parallelism (cp 2,
+this process its rank 0) runs through torch's fake process group, whose collectives move nothing: what is checked
+is the code around them.
 
 Besides the count, how many times a step builds the diagonal's mask (`aten.tril`): the ring makes it once per size,
 so the second step builds none. The planted controls are edits of 12's source that make what the issue found: the
@@ -48,17 +51,22 @@ PLANTED = {  # name: the edits of 12_context_parallel/train.py (old, new)
 
 
 class HostTensors(TorchDispatchMode):
-    """Records the name of every operation with a CPU tensor among its inputs or outputs; counts the masks built."""
+    """Records the name of every operation with a CPU tensor of one or more dimensions among its inputs or outputs;
+    counts the masks built."""
 
     def __init__(self) -> None:
         super().__init__()
         self.host: list[str] = []
+        self.scalars: list[str] = []  # operations whose only host tensors are scalars (reported, allowed)
         self.tril = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tree_leaves((args, kwargs, out))):
+        host = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+        if any(t.dim() for t in host):
             self.host.append(str(func))
+        elif host:
+            self.scalars.append(str(func))
         self.tril += func.overloadpacket is torch.ops.aten.tril
         return out
 
@@ -100,7 +108,7 @@ def steps(module: types.ModuleType, device: torch.device, impl: str | None, zigz
             finally:
                 if device.type == "cuda":
                     torch.cuda.set_sync_debug_mode(0)
-        seen.append({"host": mode.host, "tril": mode.tril, "waited": waited})
+        seen.append({"host": mode.host, "scalars": mode.scalars, "tril": mode.tril, "waited": waited})
     return seen
 
 
