@@ -4,14 +4,20 @@ start-up instead of N + 1: `python tests/forkrun.py N PORT script args` (PORT: a
 
 The suite's cost is start-ups: torchrun's agent imports torch (1.7 CPU-s), each of its N workers imports torch again
 (2.5 s) and DDP's constructor imports torch._dynamo (2 s more). Here torch and torch._dynamo are imported once, and the
-N ranks are forked from this process, before it has run any tensor work or started a thread. Each rank gets the
-environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...; OMP_NUM_THREADS=1
-for N > 1) and runs the script as `python script args` would (as __main__, its folder first on sys.path).
-What differs from torchrun: no agent, so no agent's store (the scripts' init_process_group makes its own on MASTER_PORT,
-the free port harness.forked picked), no restarts, no monitoring beyond "one rank failed: stop the others" (SIGTERM,
-then SIGKILL after GRACE s, the order torchrun's agent uses; its grace is 30 s), and exit status 1 for any failure
-(torchrun's too). What torchrun itself does (its rendezvous, restarts, a failing rank ending the job) stays with the
-real launcher: the tour, the READMEs' other forms and the fault battery (tests/test_faults.py) run it.
+N ranks are forked from this process, before it has run any tensor work or started a thread. Each rank starts as
+torchrun's worker does: its variables (torchrun_env: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, the run id, an
+error file, TORCHELASTIC_USE_AGENT_STORE...; OMP_NUM_THREADS=1 for N > 1), the job's store hosted by this process
+as by torchrun's agent (the ranks connect to it; none hosts one), `python -u script args` (a fresh __main__, the
+script's folder first on sys.path, __file__ absolute, argv as given, stdout and stderr unbuffered), and what
+importing torch printed. tests/test_forkrun.py compares a forked rank with a real torchrun rank, field by field.
+Two differences remain, as a fork must have them: the ranks share this process's hash seed (torchrun's each draw
+their own), and they start with the modules imported here (torch._dynamo's 800 and more, beside torch's own):
+test_forkrun checks that no script uses a module it does not import (a script that reached torch.distributed.fsdp
+through torch alone would pass here and fail under torchrun). The tour, the fault battery and the README commands
+of 11, 12 and your_model/ run through torchrun itself. What torchrun does beyond starting its workers (rendezvous
+between nodes, restarts, the agent's monitoring) stays with the real launcher: here, one rank failing stops the
+others (SIGTERM, then SIGKILL after GRACE s, the order torchrun's agent uses; its grace is 30 s), and the exit
+status is 1 for any failure (torchrun's too).
 harness.launch_commands decides which test launches come here, readme_blocks.launch_shims which README commands.
 
 Within a test session even that one import is shared: the session starts a server (`forkrun.py --serve SOCKET`,
@@ -37,6 +43,7 @@ import signal
 import socket
 import sys
 import time
+import warnings
 from pathlib import Path
 
 GRACE = 5.0  # seconds between SIGTERM and SIGKILL for the ranks left when one fails
@@ -46,22 +53,38 @@ PYTHON = "python"  # in place of N and PORT: one process, as `python script args
 def run_rank(script: str, args: list[str], env: dict[str, str]) -> int:
     """In the forked child: become rank env['RANK'] and run the script as __main__; its exit status."""
     import atexit
-    import runpy
+    import builtins
+    import importlib.machinery
+    import io
     import traceback
+    import types
+    os.write(2, IMPORT_STDERR)  # what importing torch printed, as a fresh process prints it
+    warnings.filters[:] = FRESH_FILTERS
     os.environ.update(env)
-    sys.argv = [script, *args]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))  # what `python script` puts first
+    sys.argv = [script, *args]  # the script as given: `python script` leaves sys.argv[0] so
+    path = os.path.abspath(script)  # and __file__ absolute, as `python script` gives it
+    sys.path[0] = os.path.dirname(path)  # what `python script` puts first
+    main = types.ModuleType("__main__")  # a fresh __main__, the script's
+    main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    sys.modules["__main__"] = main
+    if env:  # torchrun starts its workers as `python -u script`: stdout and stderr unbuffered
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=sys.stdout.encoding,
+                                      errors=sys.stdout.errors, write_through=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding=sys.stderr.encoding,
+                                      errors=sys.stderr.errors, write_through=True)
     code = 0
     try:
-        runpy.run_path(os.path.abspath(script), run_name="__main__")  # __file__ absolute, as `python script` gives
+        with open(path, "rb") as source:
+            exec(compile(source.read(), path, "exec"), main.__dict__)
     except SystemExit as e:  # sys.exit(2) after a refusal, or sys.exit("message")
         if isinstance(e.code, int) or e.code is None:
             code = e.code or 0
         else:
             print(e.code, file=sys.stderr)
             code = 1
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as e:  # printed from the script's first frame, as `python script` prints it
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
         code = 1
     try:
         atexit._run_exitfuncs()  # what the interpreter would run at exit
@@ -71,33 +94,89 @@ def run_rank(script: str, args: list[str], env: dict[str, str]) -> int:
     return code
 
 
+IMPORT_STDERR = b""  # what importing torch printed (its warnings): each rank prints it, as a fresh process would
+FRESH_FILTERS: list = []  # the warnings filters after `import torch` alone (sympy, imported by torch._dynamo, adds one)
+
+
 def imported() -> None:
-    """The start-up every rank shares, in a process that must stay single-threaded until it forks."""
-    import torch  # noqa: F401
-    import torch._dynamo  # noqa: F401  what DDP's constructor imports
-    import torch.distributed  # noqa: F401
+    """The start-up every rank shares, in a process that must stay single-threaded until it forks. What it prints
+    on stderr is kept for the ranks (IMPORT_STDERR), not printed here (the server's log)."""
+    global IMPORT_STDERR
+    import tempfile
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as printed:
+        os.dup2(printed.fileno(), 2)
+        try:
+            import torch  # noqa: F401
+            FRESH_FILTERS[:] = warnings.filters  # what a script finds after its `import torch`
+            import torch._dynamo  # noqa: F401  what DDP's constructor imports
+            import torch.distributed  # noqa: F401
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        printed.seek(0)
+        IMPORT_STDERR = printed.read()
     threads = os.listdir(f"/proc/{os.getpid()}/task")
     assert len(threads) == 1, f"forkrun: {len(threads)} threads before forking: a fork would copy locks they hold"
+
+
+def torchrun_env(nproc: int, port: str, run_id: str, errors: str) -> list[dict[str, str]]:
+    """Each rank's variables, as `torchrun --standalone` sets them for its workers (torch 2.13)."""
+    common = {"MASTER_ADDR": "localhost", "MASTER_PORT": port, "WORLD_SIZE": str(nproc),
+              "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
+              "ROLE_WORLD_SIZE": str(nproc), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+              "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
+              "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+              "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")}
+    return [{**common, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank),
+             "TORCHELASTIC_ERROR_FILE": os.path.join(errors, run_id, "attempt_0", str(rank), "error.json")}
+            for rank in range(nproc)]
 
 
 def run_ranks(nproc: int, port: str, script: str, args: list[str], client: socket.socket | None = None) -> int:
     """Fork the N ranks, wait for them; one failing stops the others. With `client` (a server's job): its
     connection closing (the test's launch killed, at its time limit) kills the ranks at once. Port PYTHON: one
-    process as `python script args` (no torchrun variables, its own exit status)."""
-    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(nproc),
-              "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
-              "ROLE_WORLD_SIZE": str(nproc), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-              "TORCHELASTIC_RUN_ID": "forkrun"}
+    process as `python script args` (no torchrun variables, its own exit status). A torchrun job's store is this
+    process's, as it is torchrun's agent's (TORCHELASTIC_USE_AGENT_STORE: the ranks connect to it, none hosts one)."""
+    import shutil
+    import tempfile
+    import uuid
+    errors = tempfile.mkdtemp(prefix="torchelastic_")  # where torchrun has each rank's error file
+    envs = [{}] if port == PYTHON else torchrun_env(nproc, port, str(uuid.uuid4()), errors)
+    for env in envs:
+        if "TORCHELASTIC_ERROR_FILE" in env:
+            os.makedirs(os.path.dirname(env["TORCHELASTIC_ERROR_FILE"]))
+    sys.stdout.flush()
+    sys.stderr.flush()
     ranks = {}
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
             if client is not None:
                 client.close()
-            env = {} if port == PYTHON else {**common, "RANK": str(rank), "LOCAL_RANK": str(rank),
-                                             "ROLE_RANK": str(rank)}
-            os._exit(run_rank(script, args, env))
+            os._exit(run_rank(script, args, envs[rank]))
         ranks[pid] = rank
+    try:
+        return wait_for(ranks, port, client)
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)
+
+
+def wait_for(ranks: dict[int, int], port: str, client: socket.socket | None) -> int:
+    """Host the job's store (after forking: it starts threads), then wait for the ranks as run_ranks says."""
+    store = None
+    if port != PYTHON:
+        import torch.distributed as dist
+        try:
+            store = dist.TCPStore("localhost", int(port), is_master=True, wait_for_workers=False)
+        except Exception as e:  # the port taken since it was picked: torchrun's agent would fail too
+            print(f"forkrun: cannot host the job's store on port {port}: {e}", file=sys.stderr, flush=True)
+            for other in ranks:
+                os.kill(other, signal.SIGKILL)
+            for _ in ranks:
+                os.waitpid(-1, 0)
+            return 1
     failed, deadline = False, float("inf")
     while ranks:
         if client is not None and select.select([client], [], [], 0.05)[0]:  # the launch is gone: so is the job
@@ -120,6 +199,7 @@ def run_ranks(nproc: int, port: str, script: str, args: list[str], client: socke
             failed, deadline = True, time.monotonic() + GRACE
             for other in ranks:
                 os.kill(other, signal.SIGTERM)
+    del store  # closed once every rank has ended, as torchrun's agent closes its own
     return 1 if failed else 0
 
 
@@ -240,7 +320,8 @@ def serve(path: str) -> None:
         os.unlink(path)  # this server's own path: a killed one's socket may be left
     listener.bind(path)
     listener.listen(64)
-    Path(f"{path}.env.tmp").write_text(json.dumps({"env": before, "added": added}))
+    # The modules the ranks start with (test_forkrun checks that no script uses one of them without importing it).
+    Path(f"{path}.env.tmp").write_text(json.dumps({"env": before, "added": added, "modules": sorted(sys.modules)}))
     os.rename(f"{path}.env.tmp", f"{path}.env")  # clients read it first: whole or not at all
     session = os.getppid()
     while True:

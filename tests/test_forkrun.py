@@ -6,7 +6,9 @@ started it: the session's server (a leader forked from `forkrun.py --serve`), to
 """
 from __future__ import annotations
 
+import json
 import os
+import re
 import shlex
 import signal
 import sys
@@ -27,8 +29,10 @@ REPORT = textwrap.dedent("""\
     parent = open(f"/proc/{os.getppid()}/cmdline", "rb").read().replace(b"\\0", b" ").decode()
     served = "forkrun.py --serve" in parent
     agent = "torch.distributed.run" in parent
-    print(f"rank {os.environ.get('RANK', '-')} of {os.environ.get('WORLD_SIZE', '-')} pid {os.getpid()} "
-          f"served {served} agent {agent} args {sys.argv[1:]}", flush=True)
+    # one write per line: the ranks' stdout is unbuffered (`python -u`), and print()'s two writes interleave
+    sys.stdout.write(f"rank {os.environ.get('RANK', '-')} of {os.environ.get('WORLD_SIZE', '-')} pid {os.getpid()} "
+                     f"served {served} agent {agent} args {sys.argv[1:]}\\n")
+    sys.stdout.flush()
     """)
 
 
@@ -134,7 +138,8 @@ def test_a_process_a_served_rank_leaves_behind_is_found_and_killed(tmp_path):
         if child == 0:
             signal.pause()  # until killed
             os._exit(0)
-        print(f"left {child}", flush=True)
+        sys.stdout.write(f"left {child}\\n")
+        sys.stdout.flush()
         """)
     run = run_job(forked([[*harness.TORCHRUN, "--standalone", "--nproc_per_node=2", str(path)]]), timeout=60)
     left = sorted(int(line.split()[1]) for line in run.stdout.splitlines() if line.startswith("left "))
@@ -224,3 +229,196 @@ def test_the_readme_python_forks_a_script_and_hands_the_rest_to_python(tmp_path)
                               ([str(tmp_path / "missing.py")], 2, "can't open file")):  # Python's own refusal
         theirs = run_job([["sh", "-c", " ".join(["python", *map(shlex.quote, words)])]], env=env, timeout=60)
         assert theirs.returncode == code and says in theirs.stdout + theirs.stderr, theirs.describe()
+
+
+# What a rank sees as it starts, written to OUT/rank{RANK}.json: the fields a forked rank must share with a real one.
+SEES = textwrap.dedent("""\
+    import faulthandler, json, os, signal, sys, warnings
+    import torch
+    fresh = sorted(sys.modules)  # what `import torch` loads: every script's first import
+    import torch.distributed as dist
+    main = sys.modules["__main__"]
+    seen = {
+        "env": dict(os.environ), "path0": sys.path[0], "file": __file__, "name": __name__, "cwd": os.getcwd(),
+        "argv": sys.argv, "main": [main.__name__, main.__file__, main.__package__, main.__spec__, main.__cached__,
+                                   type(main.__loader__).__name__],
+        "streams": [[type(s).__name__, type(s.buffer).__name__, s.write_through, s.line_buffering, s.encoding,
+                     s.errors] for s in (sys.stdout, sys.stderr)],
+        "signals": {name: str(signal.getsignal(getattr(signal, name))) for name in ("SIGTERM", "SIGINT", "SIGHUP",
+                                                                                   "SIGPIPE", "SIGCHLD")},
+        "faulthandler": faulthandler.is_enabled(), "warnings": [str(f) for f in warnings.filters],
+        "flags": list(sys.flags), "hash": hash("forkrun"), "modules": fresh}
+    if "RANK" in os.environ:  # the job's store: the agent's under torchrun, the ranks meet through it
+        dist.init_process_group("gloo")
+        dist.barrier()
+        dist.destroy_process_group()
+    with open(os.path.join(sys.argv[1], f"rank{os.environ.get('RANK', '-')}.json"), "w") as f:
+        json.dump(seen, f)
+    """)
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+# Values each job draws for itself: its port, its run id (and the error files named after it), the harness's tag;
+# and pytest's name of the test that starts it.
+OWN = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "DDP_TUTORIAL_JOB", "PYTEST_CURRENT_TEST"}
+
+
+def error_file_form(env: dict[str, str]) -> str:
+    """TORCHELASTIC_ERROR_FILE with the job's folder and run id named generically."""
+    path = env.get("TORCHELASTIC_ERROR_FILE", "")
+    path = path.replace(env.get("TORCHELASTIC_RUN_ID", "-"), "RUN")
+    return re.sub(r"torchelastic_\w+/RUN(_\w+)?/", "torchelastic_X/RUN/", path)
+
+
+def differences(real: dict, forked: dict, server: dict) -> list[str]:
+    """How a forked rank's start differs from a real one's, beyond the two differences a fork must have (the hash
+    seed, compared across ranks by the caller, and the server's modules, which must include the fresh process's)."""
+    found = [f"{key}: {real[key]!r} under the real launcher, {forked[key]!r} forked" for key in real
+             if key not in ("env", "hash", "modules") and real[key] != forked.get(key)]
+    env_r, env_f = real["env"], forked["env"]
+    added = {k for k, v in server["added"].items() if env_f.get(k) == v and k not in env_r}  # torch set it there
+    for key in sorted({*env_r, *env_f} - OWN - added):
+        if env_r.get(key) != env_f.get(key):
+            found.append(f"${key}: {env_r.get(key)!r} under the real launcher, {env_f.get(key)!r} forked")
+    if error_file_form(env_r) != error_file_form(env_f):
+        found.append(f"$TORCHELASTIC_ERROR_FILE: {env_r.get('TORCHELASTIC_ERROR_FILE')!r} against "
+                     f"{env_f.get('TORCHELASTIC_ERROR_FILE')!r}")
+    if missing := sorted(set(real["modules"]) - set(forked["modules"])):
+        found.append(f"modules a fresh process has and a forked one lacks: {missing[:5]}")
+    if extra := sorted(set(forked["modules"]) - set(real["modules"]) - set(server["modules"])):
+        found.append(f"modules a forked rank has that neither a fresh process nor the server imported: {extra[:5]}")
+    return found
+
+
+def server_record() -> dict:
+    return json.loads(Path(f"{os.environ[forkrun.SERVER]}.env").read_text())
+
+
+def sees(run, out: Path) -> list[dict]:
+    """The ranks' records (then removed: every run of SEES writes to the same folder, its one argument)."""
+    assert run.returncode == 0 and not run.survivors, run.describe()
+    found = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    for p in out.glob("rank*.json"):
+        p.unlink()
+    return found
+
+
+@pytest.fixture(scope="module")
+def sees_script(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("sees")
+    (folder / "sees.py").write_text(SEES)
+    (folder / "out").mkdir()
+    return folder / "sees.py", folder / "out"
+
+
+@pytest.fixture(scope="module")
+def starts(sees_script) -> dict[str, list[dict]]:
+    """SEES run four ways: `torchrun --standalone --nproc_per_node=2` itself and forked, `python` itself and forked."""
+    path, out = sees_script
+    found = {}
+    for name, cmd in (("torchrun", [*harness.TORCHRUN, "--standalone", "--nproc_per_node=2"]),
+                      ("python", [sys.executable])):
+        for how in ("real", "forked"):
+            cmds = [[*cmd, str(path), str(out)]]
+            # one intra-op thread, as the server has and as torchrun gives its workers
+            run = run_job(forked(cmds) if how == "forked" else cmds, env=ONE_THREAD, timeout=120)
+            found[f"{name} {how}"] = sees(run, out)
+    return found
+
+
+def test_a_forked_rank_starts_as_a_real_one(starts):
+    """Field by field (environment, sys.path[0], __file__, argv, __main__, the streams' buffering, signal handlers,
+    warnings filters, flags, the modules): a forked rank and a rank of torchrun itself, and a forked `python script`
+    and Python itself. What a fork cannot give is said and checked: the real ranks draw their own hash seeds, the
+    forked ones share the server's."""
+    server = server_record()
+    for name, ranks in (("torchrun", 2), ("python", 1)):
+        real, fork = starts[f"{name} real"], starts[f"{name} forked"]
+        assert len(real) == len(fork) == ranks, (name, len(real), len(fork))
+        for r, f in zip(real, fork, strict=True):
+            assert not (found := differences(r, f, server)), f"{name}, rank {r['env'].get('RANK', '-')}: {found}"
+    real, fork = starts["torchrun real"], starts["torchrun forked"]
+    assert real[0]["hash"] != real[1]["hash"] and fork[0]["hash"] == fork[1]["hash"]  # the fork's one difference
+    assert real[0]["env"]["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the ranks met through the launcher's store
+
+
+def test_the_comparison_sees_a_planted_difference(starts, sees_script, tmp_path):
+    """forkrun.py with one of torchrun's variables left out (a copy that asks no server, which runs the original)
+    must be told apart; and each field of the comparison, changed in a real rank's record, is seen."""
+    copy = tmp_path / "forkrun.py"
+    text = FORKRUN.read_text()
+    planted = '"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",'
+    server_var = f'SERVER = "{forkrun.SERVER}"'
+    assert text.count(planted) == text.count(server_var) == 1
+    copy.write_text(text.replace(planted, "").replace(server_var, 'SERVER = "NO_SERVER_FOR_THIS_COPY"'))
+    path, out = sees_script
+    from tour import free_port
+    run = run_job([[sys.executable, str(copy), "2", str(free_port()), str(path), str(out)]], env=ONE_THREAD,
+                  timeout=120)
+    server, real = server_record(), starts["torchrun real"][0]
+    found = differences(real, sees(run, out)[0], server)
+    assert len(found) == 1 and found[0].startswith("$TORCHELASTIC_SIGNALS_TO_HANDLE"), found
+    for key in ("path0", "file", "argv", "main", "streams", "signals", "warnings", "flags"):
+        assert differences(real, {**real, key: "changed"}, server), key
+    assert differences(real, {**real, "env": {**real["env"], "LOCAL_RANK": "7"}}, server)
+    assert differences(real, {**real, "modules": real["modules"][1:]}, server)
+    assert differences(real, {**real, "modules": [*real["modules"], "not.imported.anywhere"]}, server)
+
+
+def unimported(source: str, fresh: set[str], preloaded: set[str]) -> list[str]:
+    """The modules `source` reaches by attribute (`torch.distributed.fsdp.fully_shard`) that a fresh process would
+    not have loaded: neither by `import torch` (fresh) nor by one of the file's own imports (it or a submodule of it
+    named); only those the server loads (preloaded) matter: what a forked rank has and a fresh one not."""
+    import ast
+    tree = ast.parse(source)
+    named, bound = set(), {}  # modules the file imports (with their parents); names bound to modules
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                named.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+                bound[alias.asname or parts[0]] = alias.name if alias.asname else parts[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            parts = node.module.split(".")
+            named.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+            for alias in node.names:
+                named.add(f"{node.module}.{alias.name}")
+                bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    found = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        chain = []
+        while isinstance(node, ast.Attribute):
+            chain.append(node.attr)
+            node = node.value
+        if isinstance(node, ast.Name) and node.id in bound:
+            parts = [*bound[node.id].split("."), *reversed(chain)]
+            for i in range(len(bound[node.id].split(".")) + 1, len(parts) + 1):
+                module = ".".join(parts[:i])
+                if module in preloaded and module not in fresh and module not in named:
+                    found.add(f"{module} (line {node.lineno})")
+    return sorted(found)
+
+
+def scripts() -> list[Path]:
+    return sorted(p for p in harness.ROOT.rglob("*.py")
+                  if not any(part.startswith(".") for part in p.relative_to(harness.ROOT).parts))
+
+
+def test_no_script_uses_a_module_only_the_server_imported(starts, tmp_path):
+    """A forked rank starts with the server's modules (torch._dynamo's, torch.distributed.fsdp among them): a script
+    that reaches one by attribute without importing it passes forked and fails under torchrun. None does; a planted
+    one is found, and is shown passing forked and failing in Python itself."""
+    fresh = set(starts["python real"][0]["modules"])
+    preloaded = set(server_record()["modules"]) - fresh
+    assert "torch.distributed.fsdp" in preloaded and "torch.distributed.fsdp" not in fresh  # the premise
+    found = {str(p.relative_to(harness.ROOT)): unimported(p.read_text(), fresh, preloaded) for p in scripts()}
+    assert not {k: v for k, v in found.items() if v}, found
+    planted = tmp_path / "planted.py"
+    planted.write_text("import torch\n\nprint(torch.distributed.fsdp.fully_shard.__name__)\n")
+    assert unimported(planted.read_text(), fresh, preloaded) == ["torch.distributed.fsdp (line 3)"]
+    stage = (harness.ROOT / "04_ddp_torchrun" / "train.py").read_text()
+    assert unimported(stage + "\ntorch.distributed.fsdp.fully_shard\n", fresh, preloaded)
+    forked_run = run_job(forked([[sys.executable, str(planted)]]), env=ONE_THREAD, timeout=60)
+    real_run = run_job([[sys.executable, str(planted)]], env=ONE_THREAD, timeout=60)
+    assert forked_run.returncode == 0 and "fully_shard" in forked_run.stdout, forked_run.describe()
+    assert real_run.returncode == 1 and "AttributeError" in real_run.stderr, real_run.describe()

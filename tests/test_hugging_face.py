@@ -15,11 +15,11 @@ on it prints what the page shows, and its claims hold.
 - The prose's claims about transformers: labels= shifts inside and computes in float32, the head is tied, GPT-2 has
   no buffer for to_empty to leave as garbage. Bad input: one line naming the flag, exit 2.
 
-One launch serves every distributed run: torchrun starts this file on 2 ranks (drive(), at the end), which runs the
-page's torchrun commands and the checks' own runs one after the other, as main(argv) in one process group, in a
-work folder where runs/ fills. hf_single.py's command, --compile and the other checks run in the pytest process.
-Cost here (tests/cpu_profile.py): 29 CPU-s for the launch (2 x ~6 importing torch and transformers, 7 short runs),
-12 in the pytest process with --compile's ~4; 41 in all. With a cold inductor cache, compiling adds ~16 (gcc).
+The page's four commands run as a reader types them, in order, through python and torchrun themselves, in a work
+folder where runs/ fills. The checks' own runs (the controls, --checkpoint, --init with --steps 0, and the page's
+hf_fsdp.py command again with its block forwards counted, which must end at the command's weights bit for bit) share
+one launch: torchrun starts this file on 2 ranks (drive(), at the end), which runs them one after the other as
+main(argv) in one process group. --compile and the other checks run in the pytest process.
 """
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ TOL = 1e-10  # float64: layouts differ by 2e-14 after 10 steps; a bug by far mor
 WRONG_SPLIT = (".chunk(world_size)[rank]", ".chunk(world_size)[0]")  # the controls: every rank keeps rank 0's rows
 # The control of --checkpoint: a copy whose flag wraps nothing (the blocks keep every activation, as without it).
 NO_CHECKPOINT = ("block.forward = partial(checkpoint, block.forward, use_reentrant=False)", "pass")
-COUNTED = ("checkpoint", "checkpoint_does_nothing")  # and the page's hf_fsdp.py run: drive() counts their blocks'
-BLOCK_FORWARDS = "block_forwards.json"  # forwards (recomputations included) on rank 0, into this file
+COUNTED = ("plain", "checkpoint", "checkpoint_does_nothing")  # drive() counts their blocks' forwards
+BLOCK_FORWARDS = "block_forwards.json"  # (recomputations included) on rank 0, into this file
 
 
 def module(path: Path, change: tuple[str, str] | None = None) -> types.ModuleType:
@@ -129,29 +129,35 @@ def single_out() -> str:
     return out_of(command(single_block())[1])
 
 
+def page_run(script: str, init: bool = False) -> str:
+    """The block id of the page's command of `script` (with --init or without)."""
+    (block,) = [b for b in RUNS if command(b)[0].endswith(script) and ("--init" in command(b)[1]) == init]
+    return block.id
+
+
 def phases() -> tuple[list[dict], dict[str, str]]:
-    """The launch's runs, in order: the page's distributed commands, then the checks' own. And {name: runs/ folder}."""
-    runs, fsdp = [], None
-    for block in RUNS:
-        script, argv, distributed = command(block)
-        if distributed:
-            runs.append({"name": block.id, "script": script, "argv": argv})
-            if script.endswith("hf_fsdp.py") and "--init" not in argv:
-                fsdp = argv
-    ddp = next(r["argv"] for r in runs if r["script"].endswith("hf_ddp.py"))
-    assert fsdp, "the page lost its hf_fsdp.py command from random weights"
-    runs += [{"name": "checkpoint", "script": "your_model/hf_fsdp.py",
-              "argv": [*fsdp, "--checkpoint", "--out", "runs/hf_fsdp_checkpoint"]},
-             {"name": "checkpoint_does_nothing", "script": "your_model/hf_fsdp.py", "change": NO_CHECKPOINT,
-              "argv": [*fsdp, "--checkpoint", "--out", "runs/hf_fsdp_checkpoint_does_nothing"]},
-             {"name": "ddp_wrong_split", "script": "your_model/hf_ddp.py", "change": WRONG_SPLIT,
-              "argv": [*ddp, "--out", "runs/hf_ddp_wrong_split"]},
-             {"name": "fsdp_wrong_split", "script": "your_model/hf_fsdp.py", "change": WRONG_SPLIT,
-              "argv": [*fsdp, "--out", "runs/hf_fsdp_wrong_split"]},
-             {"name": "loaded", "script": "your_model/hf_fsdp.py",
-              "argv": ["--dtype", "float64", "--init", f"runs/{single_out()}/model.pt", "--steps", "0",
-                       "--out", "runs/hf_loaded"]}]
-    return runs, {r["name"]: out_of(r["argv"]) for r in runs}
+    """The checks' own runs, in order, and {name: runs/ folder} of theirs and of the page's commands (by block id).
+    "plain" is the page's hf_fsdp.py command again, driven: its block forwards counted, and its weights the page's
+    run's, bit for bit (the driven runs compute what the commands do)."""
+    fsdp, ddp = command(block_of(page_run("hf_fsdp.py")))[1], command(block_of(page_run("hf_ddp.py")))[1]
+    runs = [{"name": "plain", "script": "your_model/hf_fsdp.py", "argv": [*fsdp, "--out", "runs/hf_fsdp_plain"]},
+            {"name": "checkpoint", "script": "your_model/hf_fsdp.py",
+             "argv": [*fsdp, "--checkpoint", "--out", "runs/hf_fsdp_checkpoint"]},
+            {"name": "checkpoint_does_nothing", "script": "your_model/hf_fsdp.py", "change": NO_CHECKPOINT,
+             "argv": [*fsdp, "--checkpoint", "--out", "runs/hf_fsdp_checkpoint_does_nothing"]},
+            {"name": "ddp_wrong_split", "script": "your_model/hf_ddp.py", "change": WRONG_SPLIT,
+             "argv": [*ddp, "--out", "runs/hf_ddp_wrong_split"]},
+            {"name": "fsdp_wrong_split", "script": "your_model/hf_fsdp.py", "change": WRONG_SPLIT,
+             "argv": [*fsdp, "--out", "runs/hf_fsdp_wrong_split"]},
+            {"name": "loaded", "script": "your_model/hf_fsdp.py",
+             "argv": ["--dtype", "float64", "--init", f"runs/{single_out()}/model.pt", "--steps", "0",
+                      "--out", "runs/hf_loaded"]}]
+    return runs, {**{b.id: out_of(command(b)[1]) for b in RUNS}, **{r["name"]: out_of(r["argv"]) for r in runs}}
+
+
+def block_of(block_id: str):
+    (block,) = [b for b in RUNS if b.id == block_id]
+    return block
 
 
 PHASES, OUT = phases()
@@ -159,21 +165,21 @@ PHASES, OUT = phases()
 
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory: pytest.TempPathFactory) -> Ran:
+    """The page's commands as a reader types them, through python and torchrun themselves, in a work folder that
+    holds your_model/ (a link) and fills runs/; then one launch for the checks' own runs (drive())."""
     if NO_TRANSFORMERS:
         pytest.skip(NO_TRANSFORMERS)
     work = tmp_path_factory.mktemp("hugging_face")
+    (work / "your_model").symlink_to(HERE)
+    env = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",  # one thread per process, as torchrun gives; no GPU
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # `python`, `torchrun`: ours
     printed = {}
-    with pytest.MonkeyPatch.context() as here, one_thread():  # hf_single.py's command, here: it needs no group
-        here.chdir(work)
-        for block in RUNS:
-            script, argv, distributed = command(block)
-            if not distributed:
-                with contextlib.redirect_stdout(io.StringIO()) as out:
-                    module(ROOT / script).main([*argv, "--device", "cpu"])
-                printed[block.id] = out.getvalue()
+    for block in RUNS:  # in the page's order: the fine-tune loads hf_single.py's model
+        run = check(run_job([["bash", "-euo", "pipefail", "-c", block.body]], work, env=env, timeout=300, cwd=work))
+        printed[block.id] = run.stdout
     (work / "phases.json").write_text(json.dumps(PHASES))
     launch = check(run_job([[*TORCHRUN, "--standalone", "--nproc_per_node=2", __file__, "phases.json"]], work,
-                           env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}, timeout=300, cwd=work))
+                           env=env, timeout=300, cwd=work))
     parts = launch.stdout.split("=== ")[1:]  # drive() prints "=== NAME" before each run (rank 0 prints the rest)
     assert [p.split("\n", 1)[0] for p in parts] == [p["name"] for p in PHASES], launch.describe()
     printed.update(p.split("\n", 1) for p in parts)
@@ -183,13 +189,6 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> Ran:
 def gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-def page_run(script: str, init: bool = False) -> str:
-    """The name of the launch's run of the page's command of `script` (with --init or without)."""
-    (name,) = [p["name"] for p in PHASES if p["name"].startswith(PAGE.name) and p["script"].endswith(script)
-               and ("--init" in p["argv"]) == init]
-    return name
 
 
 # --- the page shows the code ----------------------------------------------------------------------
@@ -271,9 +270,11 @@ def test_activation_checkpointing_recomputes_and_is_the_same_training_bit_for_bi
     plain, checkpointed = ran.weights(OUT[page_run("hf_fsdp.py")]), ran.weights(OUT["checkpoint"])
     assert ran.summary(OUT["checkpoint"])["args"]["checkpoint"]
     assert plain.keys() == checkpointed.keys() and all(torch.equal(plain[k], checkpointed[k]) for k in plain)
+    driven = ran.weights(OUT["plain"])  # the page's command driven in the shared group: the command's weights
+    assert driven.keys() == plain.keys() and all(torch.equal(plain[k], driven[k]) for k in plain)
     calls = json.loads((ran.work / BLOCK_FORWARDS).read_text())
-    assert recomputes(calls["checkpoint"], calls[page_run("hf_fsdp.py")]), calls
-    assert not recomputes(calls["checkpoint_does_nothing"], calls[page_run("hf_fsdp.py")]), calls
+    assert recomputes(calls["checkpoint"], calls["plain"]), calls
+    assert not recomputes(calls["checkpoint_does_nothing"], calls["plain"]), calls
 
 
 @needs_transformers
@@ -390,7 +391,7 @@ def drive(phases_file: str) -> None:
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
     dist.init_process_group("gloo")
     forwards, block_forward = {}, GPT2Block.forward
-    counted = [page_run("hf_fsdp.py"), *COUNTED]
+    counted = COUNTED
 
     def counting(self, *args, **kwargs):  # a recomputation in backward calls it too (checkpoint calls forward)
         forwards[name] += 1

@@ -7,8 +7,9 @@ a time (readme_blocks.AT_ONCE). They run in the background from the start of the
 tour (conftest: the tour's runs are the equivalence tests' `runs`); the tests here check what they did.
 
 Each block runs with OMP_NUM_THREADS=1 (see run_block), and its `torchrun --standalone --nproc_per_node=N script`
-and `python script.py` commands run forked from the session's import of torch (readme_blocks.launch_shims): the tour
-runs every stage through torchrun itself. The README's set-up line (`python3 -m venv .venv &&
+and `python script.py` commands run forked from the session's import of torch (readme_blocks.launch_shims), but for
+the GPT stages' READMEs (readme_blocks.THROUGH_LAUNCHERS), which run through torchrun and python themselves; the
+tour runs stages 01-10 through torchrun itself. The README's set-up line (`python3 -m venv .venv &&
 .venv/bin/pip install -r requirements.txt`) is not run again here: the test command starts with
 it, and .ci/run runs that in a fresh clone (test_the_set_up_line_is_the_test_commands_own checks they are the
 same). The copy's `.venv` is the environment these tests run in (~40 s saved: installing torch).
