@@ -16,6 +16,7 @@ import importlib.util
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -137,7 +138,8 @@ def launch_commands(cmds: list[list[str]], out: Path | None = None, env: dict[st
         cmds, env = served(cmds, env)
     run = run_job(cmds, out, env, timeout, during=during)
     if run.returncode is None:
-        pytest.fail(f"timed out after {timeout:.0f}s (job killed)\n{run.describe()}")
+        how = f": {timeout.how}" if isinstance(timeout, Limit) else ""
+        pytest.fail(f"timed out after {timeout:.0f}s{how} (job killed)\n{run.describe()}")
     return run
 
 
@@ -273,3 +275,51 @@ def gradient_bytes(dtype: str = "float64") -> int:
     """What one all-reduce of every gradient hands over per rank: stage 01's parameters, counted here, not by a hook."""
     import torch
     return sum(p.numel() for p in load_stage("01_single_gpu").Net().parameters()) * getattr(torch, dtype).itemsize
+
+
+# --- Time limits made of this machine's pace -------------------------------------------------------------------------
+# A job's time limit (launch's, launch_commands', run_job's `timeout`), which only a hang or a wait nobody configured
+# reaches: what the case configured to wait (`waits`: a --timeout it sets off on purpose, say) plus PROGRAM_STARTUPS
+# start-ups of a trivial launch (PROBE, what a program pays at least) for every process the case runs (`programs`: each
+# rank one, torchrun's agent one, each restart's ranks again; on these cores N ranks cost about N times one, and their
+# epochs and steps are the tutorial's small ones; a case that does much more, a compile, counts more and says why).
+# Measured, a process took mostly 1-4 start-ups, at most 7.7 (test_context_parallel's 4 ranks beside its 16): 25
+# leaves three times the most. The start-up is timed as the tests run (run_job, as their jobs), so as slow as the
+# machine is then; a timing younger than PROBE_REUSE seconds serves every limit (a probe costs ~2.6 CPU-s). A 1.7 times
+# slower or busier machine gets limits in proportion, and a hang is still ended: in about 2 minutes for a 2-rank job
+# where a start-up takes 2.5 s.
+PROGRAM_STARTUPS = 25
+PROBE = (sys.executable, "-c", "import torch")  # a trivial launch
+PROBE_LIMIT = 600  # only for the probe itself, which has nothing to be measured against: an interpreter that hangs
+PROBE_REUSE = 120.0
+_probed: list[tuple[float, float]] = []  # (when, seconds) of the last probe
+_probing = threading.Lock()  # tests launching side by side (and the READMEs' blocks) share one probe
+
+
+def startup() -> tuple[float, float]:
+    """Seconds one trivial launch (PROBE) takes on this machine now, run as the tests' jobs are (run_job), and how
+    many seconds ago it was timed (at most PROBE_REUSE)."""
+    with _probing:
+        if not _probed or time.monotonic() - _probed[-1][0] > PROBE_REUSE:
+            run = run_job([list(PROBE)], timeout=PROBE_LIMIT)
+            assert run.returncode == 0, f"the probe of the machine's pace failed\n{run.describe()}"
+            _probed.append((time.monotonic(), run.seconds))
+        when, seconds = _probed[-1]
+        return seconds, time.monotonic() - when
+
+
+class Limit(float):
+    """A time limit in seconds that says how it was made (launch_commands says it when a job reaches it)."""
+
+    def __new__(cls, seconds: float, how: str) -> Limit:
+        limit = super().__new__(cls, seconds)
+        limit.how = how
+        return limit
+
+
+def time_limit(programs: int = 1, waits: float = 0.0) -> Limit:
+    """The time limit of a case that runs `programs` processes and configured `waits` seconds of waiting."""
+    unit, age = startup()
+    return Limit(waits + PROGRAM_STARTUPS * programs * unit,
+                 f"{waits:g}s configured + " * bool(waits) + f"{PROGRAM_STARTUPS} x {programs} process(es) x a "
+                 f"start-up of {unit:.1f}s timed {age:.0f}s before")

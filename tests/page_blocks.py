@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness import ROOT
+from harness import ROOT, Limit, time_limit
 from readme_blocks import FENCE  # the READMEs' fences and tags, read the same way
 
 NUMBER = re.compile(r"-?\d+\.\d+%?")
@@ -107,3 +107,14 @@ def difference(shown: str, printed: str, approx: bool) -> str | None:
             if not close:
                 return f"{x} shown, {y} printed: {b!r}"
     return None
+
+
+def block_limit(block) -> Limit:
+    """A run block's time limit (harness.time_limit): each line of the page's run blocks is one command, a `python`
+    (one process) or a `torchrun` (its agent and its ranks)."""
+    programs = 0
+    for line in block.body.strip().splitlines():
+        ranks = re.search(r"--nproc_per_node=(\d+)", line)
+        assert line.split()[0] in ("python", "torchrun"), f"{block.id}: count the processes of {line!r}"
+        programs += 1 + int(ranks.group(1)) if line.startswith("torchrun") else 1
+    return time_limit(programs=programs)

@@ -28,12 +28,11 @@ import shutil
 import sys
 import tempfile
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness import FORKRUN, ROOT, Run, free_port, plan, run_job, slurm_missing
+from harness import FORKRUN, ROOT, Run, free_port, plan, run_job, slurm_missing, startup
 
 DOCS = sorted(p for p in ROOT.rglob("README.md") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts))
 FENCE = re.compile(r"(?:<!-- (?P<marker>[^>]*?) -->\n)?```(?P<lang>[^\n]*)\n(?P<body>.*?)```", re.S)
@@ -123,18 +122,13 @@ def run_block(block: Block, copy: Path, env: dict[str, str] | None = None) -> Ru
     return run_job(cmds, copy, env=env, timeout=time_limit(block), cwd=copy)
 
 
-# A block's time limit: LAUNCH_STARTUPS start-ups of a trivial launch (PROBE), timed shortly before the block (so as
-# slow as the machine is then; a timing younger than PROBE_REUSE seconds serves the next blocks too: a probe costs
-# ~2.6 CPU-s, and one before every block cost ~120 CPU-s in all), for every program the block launches
-# (launches()). Measured here, with other jobs
-# on the 2 cores (a start-up 2-5 s), per launch: the tour's runs 7.7 start-ups (213 s), a README's stage runs 4-6,
-# the benchmarks' and tools' quick runs 5-13 (ddp_scaling's, 61 s, the most). 40 leaves three times the most, for a
-# machine that gets busier during a block than when it was timed. A hang is still ended: the tour (13 launches)
-# gets ~17 minutes where a start-up takes 2 s.
+# A block's time limit: LAUNCH_STARTUPS start-ups of a trivial launch (harness.startup: timed shortly before the
+# block, so as slow as the machine is then, one probe serving the tests' limits too) for every program the block
+# launches (launches()). Measured here, with other jobs on the 2 cores (a start-up 2-5 s), per launch: the tour's runs
+# 7.7 start-ups (213 s), a README's stage runs 4-6, the benchmarks' and tools' quick runs 5-13 (ddp_scaling's, 61 s,
+# the most). 40 leaves three times the most, for a machine that gets busier during a block than when it was timed. A
+# hang is still ended: the tour (13 launches) gets ~17 minutes where a start-up takes 2 s.
 LAUNCH_STARTUPS = 40
-PROBE = (sys.executable, "-c", "import torch")  # a trivial launch: what every program of a block pays at least
-PROBE_LIMIT = 600  # only for the probe itself, which has nothing to be measured against: an interpreter that hangs
-PROBE_REUSE = 120.0
 LAUNCHER = re.compile(r"(?<![\w-])(?:python3?|torchrun|jupytext)\b")  # a command that starts a program
 SBATCH = re.compile(r"(?<![\w-])sbatch\b.*?(\S+\.sbatch)")  # a command that submits a job script
 LIMITS: dict[str, str] = {}  # block id: how its limit was made (test_readme_commands says it when one is reached)
@@ -159,22 +153,6 @@ def launches(block: Block) -> int:
     if "tour.py" in block.body:
         count += len(plan(2, 32, device="cpu", gpus=0)) + 1
     return max(count, 1)
-
-
-_probed: list[tuple[float, float]] = []  # (when, seconds) of the last probe
-_probing = threading.Lock()  # the READMEs run AT_ONCE at a time: one probe serves them all
-
-
-def startup() -> tuple[float, float]:
-    """Seconds one trivial launch (PROBE) takes on this machine now, as the blocks run (run_job), and how many
-    seconds ago it was timed (at most PROBE_REUSE)."""
-    with _probing:
-        if not _probed or time.monotonic() - _probed[-1][0] > PROBE_REUSE:
-            run = run_job([list(PROBE)], timeout=PROBE_LIMIT)
-            assert run.returncode == 0, f"the probe of the machine's pace failed\n{run.describe()}"
-            _probed.append((time.monotonic(), run.seconds))
-        when, seconds = _probed[-1]
-        return seconds, time.monotonic() - when
 
 
 def time_limit(block: Block) -> float:

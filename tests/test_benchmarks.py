@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import readme_run
-from harness import ROOT, Run, check, launch_commands, load_copy, load_stage
+from harness import ROOT, Run, check, launch_commands, load_copy, load_stage, time_limit
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -305,7 +305,8 @@ def test_nanogpt_trains_and_is_scored_on_11s_split(tmp_path):
                     reason=f"no nanoGPT checkout at {NANOGPT}: nothing downloads it (benchmarks/README.md)")
 def test_vs_nanogpt_quick_run_scores_both_models(tmp_path):
     """20 steps each: the table, and the one scoring function gives 11_gpt's model the loss 11_gpt printed."""
-    run = check(run_script("benchmarks/vs_nanogpt.py", "--quick", out=tmp_path, timeout=600))
+    # The script, then nanoGPT's train.py, then 11_gpt's torchrun (its agent and 2 ranks)
+    run = check(run_script("benchmarks/vs_nanogpt.py", "--quick", out=tmp_path, timeout=time_limit(programs=5)))
     rows = {r["run"]: r for r in json.loads((tmp_path / "vs_nanogpt.json").read_text())["rows"]}
     assert set(rows) == {"nanoGPT", "11_gpt"} and "held-out loss" in run.stdout, run.describe()
     assert abs(rows["11_gpt"]["held_out_loss"] - rows["11_gpt"]["own_estimate"]) < 1e-4, rows

@@ -11,7 +11,18 @@ import pytest
 import torch
 
 from conftest import CONFIGS
-from harness import Job, Step, assert_same_training, check, launch, load_stage, max_abs_diff, with_args, workers
+from harness import (
+    Job,
+    Step,
+    assert_same_training,
+    check,
+    launch,
+    load_stage,
+    max_abs_diff,
+    time_limit,
+    with_args,
+    workers,
+)
 
 STAGE = "06_checkpoint"
 
@@ -83,7 +94,8 @@ def test_killed_workers_are_restarted_and_resume_exactly(runs, tmp_path):
             os.kill(pid, signal.SIGKILL)
             kills.append((_epochs_in(snapshot), rank))
 
-    run = check(launch(step, out=tmp_path / "out", timeout=240, during=killer))
+    # torchrun's agent, and the ranks of the first attempt and of the 3 restarts
+    run = check(launch(step, out=tmp_path / "out", timeout=time_limit(programs=1 + 4 * step.nproc), during=killer))
     assert not errors and len(kills) == 3, (errors, kills, run.describe())
     assert run.stdout.count("resumed from") == 3, run.stdout
     assert "(torchrun restart 3)" in run.stdout

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import CONFIGS, Background
 from containers import PROJECT, engine_missing, podman
-from harness import ROOT, Run, assert_same_training, check, run_command
+from harness import ROOT, Run, assert_same_training, check, run_command, time_limit
 
 STEP = CONFIGS["05"]  # the suite's two-node job: one process per node, batch 32, float64
 
@@ -42,9 +42,11 @@ def test_two_containers_on_a_bridge_network_reach_stage_01s_weights(image, runs,
                             capture_output=True, text=True, timeout=120)
         assert up.returncode == 0, f"{up.stdout}\n{up.stderr}"
         nodes = [f"{PROJECT}_node{i}_1" for i in range(2)]
-        waited = run_command(["podman", "wait", *nodes], env=env, timeout=180)
+        limit = time_limit(programs=STEP.nnodes * (1 + STEP.nproc))  # per container a torchrun agent and its rank
+        waited = run_command(["podman", "wait", *nodes], env=env, timeout=limit)
         if waited.returncode is None:
-            pytest.fail(f"the two-node job did not end in 180 s\n{podman('logs', nodes[0], env=env).stdout}")
+            pytest.fail(f"the two-node job did not end in {limit:.0f} s ({limit.how})\n"
+                        f"{podman('logs', nodes[0], env=env).stdout}")
         logs = [podman("logs", node, env=env) for node in nodes]
         output = "\n".join(f"--- {node} ---\n{log.stdout}{log.stderr}" for node, log in zip(nodes, logs, strict=True))
         codes = waited.stdout.split()

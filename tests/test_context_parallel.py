@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from harness import ROOT, Run, Step, check, launch, mutate, tolerance
+from harness import ROOT, Run, Step, check, launch, mutate, time_limit, tolerance
 from test_gpt import gaps, refusal
 
 STAGE = "12_context_parallel"
@@ -93,7 +93,8 @@ def runs(tmp_path_factory) -> dict[str, Run]:
     copies = {"broken": broken, "ppclip": ppclip}
 
     def run_chain(chain: str) -> list[Run]:
-        return [check(launch(s, out=tmp / names.get(chain, [chain])[i], script=copies.get(chain), timeout=240))
+        return [check(launch(s, out=tmp / names.get(chain, [chain])[i], script=copies.get(chain),
+                             timeout=time_limit(programs=s.nproc)))
                 for i, s in enumerate(chains[chain])]
 
     with ThreadPoolExecutor(max_workers=2) as pool:

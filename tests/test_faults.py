@@ -52,6 +52,8 @@ import torch
 import harness
 from conftest import CONFIGS
 from harness import (
+    PROBE,  # a trivial launch: the start-up every case pays at least once
+    PROBE_LIMIT,
     RECIPES,
     ROOT,
     STAGES,
@@ -119,8 +121,6 @@ FROM_START_STARTUPS = 6
 # exits), each up to 3 times slower among the cases than alone: 40 leaves room for twice that, and still ends a
 # hang within minutes.
 HANG_STARTUPS = 40
-PROBE = (sys.executable, "-c", "import torch")  # a trivial launch: the start-up every case pays at least once
-PROBE_LIMIT = 600  # only for the probe itself, which has nothing to be measured against: an interpreter that hangs
 # Cases launched at once. The stalls and lone nodes mostly wait, so 6 keeps the 2 cores busy with the rest:
 # the battery took 2m02 with 4, 1m38 with 6, 1m46 with 8 here (2 cores, shared).
 POOL = 6

@@ -25,6 +25,7 @@ from harness import (
     max_gap,
     mutate,
     replay_error,
+    time_limit,
     tolerance,
     with_args,
     with_batch,
@@ -113,7 +114,7 @@ def test_resume_reshards_onto_twice_the_ranks(runs, checkpoint_after_8_epochs, t
     """Written by 2 ranks of batch 32, resumed by 4 of batch 16 (the same global batch): still stage 01's training."""
     ck = copy_of(checkpoint_after_8_epochs, tmp_path)
     step = with_args(with_batch(replace(CONFIGS["08"], nproc=2 * W), B // 2), "--snapshot", str(ck), "--epochs", "10")
-    run = check(launch(step, out=tmp_path / "out", timeout=180))
+    run = check(launch(step, out=tmp_path / "out", timeout=time_limit(programs=step.nproc)))
     s = run.summary
     assert "(written by 2 ranks) after epoch 8" in run.stdout, run.stdout
     assert (s["world_size"], s["batch_size"], s["global_batch"], s["resumed_from_epoch"]) == (2 * W, B // 2, W * B, 8)
@@ -153,7 +154,8 @@ def test_killed_worker_is_restarted_and_resumes_exactly(runs, tmp_path):
             os.kill(pid, signal.SIGKILL)
             kills.append(_epochs_in(ck))
 
-    run = check(launch(step, out=tmp_path / "out", timeout=240, during=killer))
+    run = check(launch(step, out=tmp_path / "out", timeout=time_limit(programs=1 + 2 * step.nproc),  # agent, 2 attempts
+                       during=killer))
     assert len(kills) == 1 and kills[0] >= 3, (kills, run.describe())
     assert f"after epoch {kills[0]} (torchrun restart 1)" in run.stdout, run.stdout
     assert run.summary["restart_count"] == 1

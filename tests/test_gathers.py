@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, TORCHRUN, check, launch_commands, mutate
+from harness import ROOT, TORCHRUN, check, launch_commands, mutate, time_limit
 
 W, BATCH, EPOCHS = 2, 512, 2  # few steps: 4,096 / (2 x 512) = 4 an epoch in 08, 8 in 09 (dp 1 x tp 2)
 GATHER = "_c10d_functional::all_gather_into_tensor"  # DTensor's: tp's joins, and any full_tensor()
@@ -32,7 +32,7 @@ def counted(script: Path, out: Path, *args: str) -> tuple[dict, str]:
     out.mkdir(parents=True)
     cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={W}", str(ROOT / "tests" / "count_collectives.py"),
            str(out), str(script), "--device", "cpu", "--epochs", str(EPOCHS), "--batch-size", str(BATCH), *args]
-    run = check(launch_commands([cmd], timeout=600))
+    run = check(launch_commands([cmd], timeout=time_limit(programs=W)))
     return json.loads((out / "rank0.json").read_text()), run.stdout
 
 

@@ -38,8 +38,8 @@ from unittest import mock
 import pytest
 import torch
 
-from harness import ROOT, TORCHRUN, check, group_of_one, run_job
-from page_blocks import code_mismatch, diff_mismatch, output_mismatch, page_blocks, shown_outputs, untagged
+from harness import ROOT, TORCHRUN, check, group_of_one, run_job, time_limit
+from page_blocks import block_limit, code_mismatch, diff_mismatch, output_mismatch, page_blocks, shown_outputs, untagged
 
 try:
     import transformers  # noqa: F401  (the scripts' one package beyond torch)
@@ -175,11 +175,13 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> Ran:
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # `python`, `torchrun`: ours
     printed = {}
     for block in RUNS:  # in the page's order: the fine-tune loads hf_single.py's model
-        run = check(run_job([["bash", "-euo", "pipefail", "-c", block.body]], work, env=env, timeout=300, cwd=work))
+        run = check(run_job([["bash", "-euo", "pipefail", "-c", block.body]], work, env=env, timeout=block_limit(block),
+                            cwd=work))
         printed[block.id] = run.stdout
     (work / "phases.json").write_text(json.dumps(PHASES))
+    runs = 3 * len(PHASES)  # each run as much as a launch of 2 ranks and an agent
     launch = check(run_job([[*TORCHRUN, "--standalone", "--nproc_per_node=2", __file__, "phases.json"]], work,
-                           env=env, timeout=300, cwd=work))
+                           env=env, timeout=time_limit(programs=runs), cwd=work))
     parts = launch.stdout.split("=== ")[1:]  # drive() prints "=== NAME" before each run (rank 0 prints the rest)
     assert [p.split("\n", 1)[0] for p in parts] == [p["name"] for p in PHASES], launch.describe()
     printed.update(p.split("\n", 1) for p in parts)

@@ -28,6 +28,7 @@ from harness import (
     load_stage,
     mutate,
     replay_error,
+    time_limit,
     tolerance,
     with_args,
 )
@@ -89,7 +90,7 @@ def test_two_pipelines_of_two_stages_compute_stage_01s_training(runs, tmp_path):
     """dp 2 x pp 2: four processes, two pipelines on different samples, each stage's gradients averaged over the
     two pipelines once per batch: stage 01's training at the same global batch (2 epochs)."""
     step = with_args(CONFIGS["10"], "--batch-size", "32", "--microbatches", "2", "--epochs", "2", nproc=4)
-    run = check(launch(step, out=tmp_path, timeout=180))
+    run = check(launch(step, out=tmp_path, timeout=time_limit(programs=step.nproc)))
     assert (run.summary["dp"], run.summary["pp"], run.summary["global_batch"]) == (2, 2, 64)
     assert replay_error(run.summary, run.trajectory) <= TOL
     assert max(abs(a - b) for a, b in zip(run.summary["losses"], runs["01"].summary["losses"][:2], strict=True)) <= TOL
@@ -172,12 +173,14 @@ def test_the_readme_shows_the_committed_bubble_measurements():
 # divide the 4096 samples, so every batch is padded, an epoch's last batch more (at dp 2 x pp 2, a global batch of 48,
 # three of its five micro-batches are padding only). Some runs go through tests/sync_sends.py, which makes gloo's
 # messages complete only once received and run in order, as NCCL's: they must finish, and compute the same bits as
-# the runs without it.
+# the runs without it. tests/test_sync_sends.py's negative control is the pp 3 1F1B launch with by_hand's old message
+# order, which must hang through sync_sends where this one passes: it reads the setting from here.
 GRID = {  # setting -> (the launch, {program: through sync_sends?})
     "dp 2 x pp 2": (with_args(CONFIGS["10"], "--batch-size", "24", "--microbatches", "5", "--epochs", "2", nproc=4),
                     {"library": False, "gpipe": True, "1f1b": True}),
+    # --timeout 30, not the default 60: test_sync_sends's negative control runs this setting and waits that long
     "pp 3": (with_args(CONFIGS["10"], "--pp", "3", "--batch-size", "100", "--microbatches", "3", "--epochs", "2",
-                       nproc=3),
+                       "--timeout", "30", nproc=3),
              {"library": True, "gpipe": False, "1f1b": True}),
 }
 
@@ -192,8 +195,9 @@ def grid(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Run]]:
             this = step if program == "library" else with_args(step, "--schedule", program)
             out = tmp_path_factory.mktemp(f"{setting.replace(' ', '')}_{program}")
             cmds = this.commands(out, script)
-            done.setdefault(setting, {})[program] = check(
-                launch_commands(sync_sends.wrapped(cmds, script) if wrap else cmds, out, this.env, timeout=300))
+            cmds = sync_sends.wrapped(cmds, script) if wrap else cmds
+            done.setdefault(setting, {})[program] = check(launch_commands(cmds, out, this.env,
+                                                                          timeout=time_limit(programs=this.nproc)))
     return done
 
 
@@ -227,7 +231,8 @@ def test_synchronous_in_order_messages_change_nothing(grid):
     """The runs through tests/sync_sends.py (a send done only once received, one message after another, as on NCCL)
     finished (the fixture checked it) and equal the others to the bit (the test above). Here: the emulation was in
     their way, every rank's every message: a stage of by_hand.py exchanges 2 messages per micro-batch per neighbour in
-    a training step (activations and a gradient) and 1 in an evaluation batch; the runs without it have no report."""
+    a training step (activations and a gradient) and 1 in an evaluation batch; their collectives ran in the same
+    stream; the runs without it have no report."""
     for setting, runs in grid.items():
         for program, wrapped in GRID[setting][1].items():
             run, counted = runs[program], sync_sends.messages(runs[program].stderr)
@@ -238,6 +243,8 @@ def test_synchronous_in_order_messages_change_nothing(grid):
             m, pp, dp = s["microbatches"], s["pp"], s["dp"]
             rows = -(-s["batch_size"] // m) * m  # an evaluation batch: a training batch's rows, padded
             assert sorted(counted) == list(range(dp * pp)) and all(counted.values()), (setting, program, counted)
+            collectives = sync_sends.collectives(run.stderr)
+            assert sorted(collectives) == sorted(counted) and all(collectives.values()), (setting, program, collectives)
             if program == "library":
                 continue  # torch's schedule also sends its shapes; its messages are its own business
             for rank, n in counted.items():

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness import Run, Step, check, group_of_one, launch, load_stage, replay_error, tolerance
+from harness import Run, Step, check, group_of_one, launch, load_stage, replay_error, time_limit, tolerance
 
 RECIPE = "recipes/compile"
 CAP_MB = 0.01  # 10485 bytes: the float64 model (~40 KB) fills two buckets
@@ -20,7 +20,8 @@ ARGS = ("--device", "cpu", "--dtype", "float64", "--epochs", "3", "--bucket-cap-
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return check(launch(Step(RECIPE, "torchrun", ARGS, nproc=2), out=tmp_path_factory.mktemp("compile"), timeout=300))
+    step = Step(RECIPE, "torchrun", ARGS, nproc=2)
+    return check(launch(step, out=tmp_path_factory.mktemp("compile"), timeout=time_limit(programs=step.nproc)))
 
 
 def buckets_by_size(sizes: list[int], cap: int) -> int:

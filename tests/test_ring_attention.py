@@ -49,7 +49,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, Run, check, edited, launch_commands, run_command
+from harness import ROOT, Run, check, edited, launch_commands, run_command, time_limit
 
 RING = ROOT / "12_context_parallel" / "train.py"  # ring attention is in its lesson
 SYNC_SENDS = ROOT / "tests" / "sync_sends.py"
@@ -104,7 +104,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, list[dict],
     out, seed = tmp_path_factory.mktemp("ring_attention"), draw_seed()
     cmd = [sys.executable, str(SYNC_SENDS), __file__, "--seed", str(seed), "--store", str(out / "store"), "--out",
            str(out)]
-    run = check(launch_commands([cmd], out, timeout=300))
+    run = check(launch_commands([cmd], out, timeout=time_limit(programs=WORLD, waits=HANG)))  # the control waits HANG s
     reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
     return run, reports, seed
 
@@ -256,7 +256,7 @@ def test_sends_then_receives_in_turn_hang_under_nccls_rules(launched):
 @pytest.fixture(scope="module")
 def host_copies() -> dict:
     run = check(run_command([sys.executable, str(ROOT / "tests" / "host_copies.py"), "--device", "meta"],
-                            timeout=300))
+                            timeout=time_limit()))
     return json.loads(run.stdout)
 
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, TORCHRUN, Run, Step, check, launch_commands, replay_error, tolerance
+from harness import ROOT, TORCHRUN, Run, Step, check, launch_commands, replay_error, time_limit, tolerance
 
 N_TRAIN = 4096
 EPOCHS = 2  # the replay checks every epoch; two are enough to see a wrong order, batch or divisor
@@ -248,9 +248,10 @@ def run_setting(s: Setting, tmp: Path) -> Outcome:
         batch = s.batch * s.world // s.resume_from
         writer = Setting(s.script, s.resume_from, batch, s.dtype, s.seed, s.lr)
         cmds, env = commands(writer, out, epochs=1)  # the same --snapshot path as the resumed run's
-        first = check(launch_commands(cmds, None, env, timeout=600))
+        first = check(launch_commands(cmds, None, env, timeout=time_limit(programs=writer.world + len(cmds))))
     cmds, env = commands(s, out, epochs=EPOCHS + 1 if s.resume_from else EPOCHS)
-    return Outcome(launch_commands(cmds, out, env, timeout=600), first)
+    # Its ranks, and a launcher per command (torchrun's agent, 03's spawning parent: at most one each)
+    return Outcome(launch_commands(cmds, out, env, timeout=time_limit(programs=s.world + len(cmds))), first)
 
 
 @pytest.fixture(scope="module")

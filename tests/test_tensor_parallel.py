@@ -22,6 +22,7 @@ from harness import (
     max_gap,
     mutate,
     replay_error,
+    time_limit,
     tolerance,
     with_args,
     with_batch,
@@ -44,7 +45,7 @@ def meshes(runs, tmp_path_factory) -> dict[tuple[int, int], Run]:
     rows = with_args(with_batch(CONFIGS["09"], B), "--snapshot", str(tmp / "ck"))  # dp ranks of batch B: global W*B
     dp2 = check(launch(with_args(rows, "--tp", "1", "--epochs", "2"), out=tmp / "2x1"))
     grid = check(launch(replace(with_args(rows, "--tp", "2", "--epochs", "4"), nproc=2 * W), out=tmp / "2x2",
-                        timeout=240))
+                        timeout=time_limit(programs=2 * W)))
     return {(1, W): runs["09"], (W, 1): dp2, (W, W): grid}
 
 

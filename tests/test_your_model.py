@@ -25,7 +25,15 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from harness import ROOT, Run, run_job
-from page_blocks import code_mismatch, diff_mismatch, output_mismatch, page_blocks, shown_outputs, untagged
+from page_blocks import (
+    block_limit,
+    code_mismatch,
+    diff_mismatch,
+    output_mismatch,
+    page_blocks,
+    shown_outputs,
+    untagged,
+)
 
 HERE = ROOT / "your_model"
 PAGE = HERE / "index.md"
@@ -84,7 +92,8 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
            "CUDA_VISIBLE_DEVICES": ""}  # the page's outputs are the CPU's
     runs = {}
     for block in RUNS:
-        runs[block.id] = run_job([["bash", "-euo", "pipefail", "-c", block.body]], copy, env=env, timeout=240, cwd=copy)
+        runs[block.id] = run_job([["bash", "-euo", "pipefail", "-c", block.body]], copy, env=env,
+                                 timeout=block_limit(block), cwd=copy)
     return runs
 
 
@@ -141,7 +150,8 @@ def fsdp_without_set_epoch(ran, tmp_path_factory: pytest.TempPathFactory) -> Pat
     (block,) = [b for b in RUNS if "your_model/fsdp.py" in b.body.split("\n")[0]]
     env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
            "CUDA_VISIBLE_DEVICES": ""}
-    run = run_job([["bash", "-euo", "pipefail", "-c", block.body]], copy, env=env, timeout=240, cwd=copy)
+    run = run_job([["bash", "-euo", "pipefail", "-c", block.body]], copy, env=env, timeout=block_limit(block),
+                  cwd=copy)
     assert run.returncode == 0 and not run.survivors, run.describe()
     return copy / "runs" / "fsdp" / "model.pt"
 
