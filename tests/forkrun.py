@@ -6,18 +6,18 @@ The suite's cost is start-ups: torchrun's agent imports torch (1.7 CPU-s), each 
 (2.5 s) and DDP's constructor imports torch._dynamo (2 s more). Here torch and torch._dynamo are imported once, and the
 N ranks are forked from this process, before it has run any tensor work or started a thread. Each rank starts as
 torchrun's worker does: its variables (torchrun_env: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, the run id, an
-error file, TORCHELASTIC_USE_AGENT_STORE...; OMP_NUM_THREADS=1 for N > 1), the job's store hosted by this process
-as by torchrun's agent (the ranks connect to it; none hosts one), `python -u script args` (a fresh __main__, the
-script's folder first on sys.path, __file__ absolute, argv as given, stdout and stderr unbuffered), and what
-importing torch printed. tests/test_forkrun.py compares a forked rank with a real torchrun rank, field by field.
-Two differences remain, as a fork must have them: the ranks share this process's hash seed (torchrun's each draw
-their own), and they start with the modules imported here (torch._dynamo's 800 and more, beside torch's own):
-test_forkrun checks that no script uses a module it does not import (a script that reached torch.distributed.fsdp
-through torch alone would pass here and fail under torchrun). The tour, the fault battery and the README commands
-of 11, 12 and your_model/ run through torchrun itself. What torchrun does beyond starting its workers (rendezvous
-between nodes, restarts, the agent's monitoring) stays with the real launcher: here, one rank failing stops the
-others (SIGTERM, then SIGKILL after GRACE s, the order torchrun's agent uses; its grace is 30 s), and the exit
-status is 1 for any failure (torchrun's too).
+error file, TORCHELASTIC_USE_AGENT_STORE...; OMP_NUM_THREADS=1 for N > 1), the job's store hosted by this process as
+by torchrun's agent (the ranks connect to it; none hosts one), `python -u script args` (a fresh __main__, the
+script's folder first on sys.path, __file__ absolute, argv as given, stdout and stderr unbuffered), the signal
+handlers of a program the launch (torchrun's agent) starts, and what importing torch printed. tests/test_forkrun.py
+compares a forked rank with a real torchrun rank, field by field. Two differences remain, as a fork must have them:
+the ranks share this process's hash seed (torchrun's each draw their own), and they start with the modules imported
+here (torch._dynamo's 800 and more, beside torch's own): test_forkrun checks that no script uses a module it does
+not import (a script that reached torch.distributed.fsdp through torch alone would pass here and fail under
+torchrun). The tour, the fault battery and the README commands of 11, 12 and your_model/ run through torchrun
+itself. What torchrun does beyond starting its workers (rendezvous between nodes, restarts, the agent's monitoring)
+stays with the real launcher: here, one rank failing stops the others (SIGTERM, then SIGKILL after GRACE s, the
+order torchrun's agent uses; its grace is 30 s), and the exit status is 1 for any failure (torchrun's too).
 harness.launch_commands decides which test launches come here, readme_blocks.launch_shims which README commands.
 
 Within a test session even that one import is shared: the session starts a server (`forkrun.py --serve SOCKET`,
@@ -121,6 +121,33 @@ def imported() -> None:
     assert len(threads) == 1, f"forkrun: {len(threads)} threads before forking: a fork would copy locks they hold"
 
 
+# The signals torchrun's agent handles (TORCHELASTIC_SIGNALS_TO_HANDLE): its workers start with them at their default.
+AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def ignored_signals() -> list[int]:
+    """The signals the launch ignores (a `nohup` shell's SIGHUP, say): a program it execs ignores them too. (SIGPIPE:
+    every Python ignores it as it starts.)"""
+    return [int(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGPIPE)
+            and signal.getsignal(s) == signal.SIG_IGN]
+
+
+def start_signals(ignored: list[int], agent: bool) -> None:
+    """In a rank: the handlers a fresh `python script` started by the launch would have (by torchrun's agent, for
+    `agent`): what the launch ignored stays ignored (exec keeps it), but the agent's own signals; the rest at their
+    default; SIGINT Python's KeyboardInterrupt, SIGPIPE ignored, as Python sets them."""
+    for s in signal.valid_signals():
+        if s in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        handler = signal.SIG_IGN if s in ignored and not (agent and s in AGENT_SIGNALS) else signal.SIG_DFL
+        if s == signal.SIGPIPE:
+            handler = signal.SIG_IGN
+        elif s == signal.SIGINT and handler == signal.SIG_DFL:
+            handler = signal.default_int_handler
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(s, handler)
+
+
 def torchrun_env(nproc: int, port: str, run_id: str, errors: str) -> list[dict[str, str]]:
     """Each rank's variables, as `torchrun --standalone` sets them for its workers (torch 2.13)."""
     common = {"MASTER_ADDR": "localhost", "MASTER_PORT": port, "WORLD_SIZE": str(nproc),
@@ -134,7 +161,8 @@ def torchrun_env(nproc: int, port: str, run_id: str, errors: str) -> list[dict[s
             for rank in range(nproc)]
 
 
-def run_ranks(nproc: int, port: str, script: str, args: list[str], client: socket.socket | None = None) -> int:
+def run_ranks(nproc: int, port: str, script: str, args: list[str], client: socket.socket | None = None,
+              ignored: list[int] | None = None) -> int:
     """Fork the N ranks, wait for them; one failing stops the others. With `client` (a server's job): its
     connection closing (the test's launch killed, at its time limit) kills the ranks at once. Port PYTHON: one
     process as `python script args` (no torchrun variables, its own exit status). A torchrun job's store is this
@@ -155,6 +183,7 @@ def run_ranks(nproc: int, port: str, script: str, args: list[str], client: socke
         if pid == 0:
             if client is not None:
                 client.close()
+            start_signals(ignored_signals() if ignored is None else ignored, agent=port != PYTHON)
             os._exit(run_rank(script, args, envs[rank]))
         ranks[pid] = rank
     try:
@@ -284,7 +313,7 @@ def ask_server(nproc: int, port: str, script: str, args: list[str]) -> int | Non
     except OSError:
         return None
     request = {"nproc": nproc, "port": port, "script": script, "args": args, "cwd": os.getcwd(),
-               "env": dict(os.environ)}
+               "env": dict(os.environ), "ignored": ignored_signals()}
     socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
     reply = conn.recv(16)  # the leader's, once every rank has ended; nothing if the leader died
     return int(reply) if reply else 1
@@ -303,7 +332,8 @@ def lead(conn: socket.socket, request: dict, fds: list[int]) -> None:
     # The process's name carries the launch's tag (its last 15 characters), and so do the ranks it forks: the
     # survivor check (tour._job_members) finds them by it, and `pytest --cpu-profile` finds its owner so.
     ctypes.CDLL(None).prctl(15, tag[-15:].encode(), 0, 0, 0)  # PR_SET_NAME
-    code = run_ranks(request["nproc"], request["port"], request["script"], request["args"], client=conn)
+    code = run_ranks(request["nproc"], request["port"], request["script"], request["args"], client=conn,
+                     ignored=request["ignored"])
     sys.stdout.flush()
     sys.stderr.flush()
     with contextlib.suppress(OSError):

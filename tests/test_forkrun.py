@@ -244,8 +244,8 @@ SEES = textwrap.dedent("""\
                                    type(main.__loader__).__name__],
         "streams": [[type(s).__name__, type(s.buffer).__name__, s.write_through, s.line_buffering, s.encoding,
                      s.errors] for s in (sys.stdout, sys.stderr)],
-        "signals": {name: str(signal.getsignal(getattr(signal, name))) for name in ("SIGTERM", "SIGINT", "SIGHUP",
-                                                                                   "SIGPIPE", "SIGCHLD")},
+        "signals": {name: str(signal.getsignal(getattr(signal, name)))
+                    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGPIPE", "SIGCHLD", "SIGUSR1")},
         "faulthandler": faulthandler.is_enabled(), "warnings": [str(f) for f in warnings.filters],
         "flags": list(sys.flags), "hash": hash("forkrun"), "modules": fresh}
     if "RANK" in os.environ:  # the job's store: the agent's under torchrun, the ranks meet through it
@@ -318,8 +318,11 @@ def starts(sees_script) -> dict[str, list[dict]]:
                       ("python", [sys.executable])):
         for how in ("real", "forked"):
             cmds = [[*cmd, str(path), str(out)]]
-            # one intra-op thread, as the server has and as torchrun gives its workers
-            run = run_job(forked(cmds) if how == "forked" else cmds, env=ONE_THREAD, timeout=120)
+            cmds = forked(cmds) if how == "forked" else cmds
+            # Under nohup (SIGHUP ignored, as CI run from a `nohup` shell had it): what the launch ignores, a program
+            # it starts ignores too, but for the signals torchrun's agent handles. One intra-op thread, as the server
+            # has and as torchrun gives its workers.
+            run = run_job([["nohup", *c] for c in cmds], env=ONE_THREAD, timeout=120)
             found[f"{name} {how}"] = sees(run, out)
     return found
 
@@ -338,17 +341,22 @@ def test_a_forked_rank_starts_as_a_real_one(starts):
     real, fork = starts["torchrun real"], starts["torchrun forked"]
     assert real[0]["hash"] != real[1]["hash"] and fork[0]["hash"] == fork[1]["hash"]  # the fork's one difference
     assert real[0]["env"]["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the ranks met through the launcher's store
+    assert (real[0]["signals"]["SIGHUP"], starts["python real"][0]["signals"]["SIGHUP"]) == ("0", "1")  # nohup's
+
+
+def own_copy(tmp_path: Path, edit: tuple[str, str]) -> Path:
+    """A copy of forkrun.py with one edit, that asks no server (the session's runs the original) and so imports torch
+    and forks the ranks itself."""
+    copy, text, server = tmp_path / "forkrun.py", FORKRUN.read_text(), f'SERVER = "{forkrun.SERVER}"'
+    assert text.count(edit[0]) == text.count(server) == 1, edit
+    copy.write_text(text.replace(*edit).replace(server, 'SERVER = "NO_SERVER_FOR_THIS_COPY"'))
+    return copy
 
 
 def test_the_comparison_sees_a_planted_difference(starts, sees_script, tmp_path):
     """forkrun.py with one of torchrun's variables left out (a copy that asks no server, which runs the original)
     must be told apart; and each field of the comparison, changed in a real rank's record, is seen."""
-    copy = tmp_path / "forkrun.py"
-    text = FORKRUN.read_text()
-    planted = '"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",'
-    server_var = f'SERVER = "{forkrun.SERVER}"'
-    assert text.count(planted) == text.count(server_var) == 1
-    copy.write_text(text.replace(planted, "").replace(server_var, 'SERVER = "NO_SERVER_FOR_THIS_COPY"'))
+    copy = own_copy(tmp_path, ('"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",', ""))
     path, out = sees_script
     from tour import free_port
     run = run_job([[sys.executable, str(copy), "2", str(free_port()), str(path), str(out)]], env=ONE_THREAD,
@@ -361,6 +369,19 @@ def test_the_comparison_sees_a_planted_difference(starts, sees_script, tmp_path)
     assert differences(real, {**real, "env": {**real["env"], "LOCAL_RANK": "7"}}, server)
     assert differences(real, {**real, "modules": real["modules"][1:]}, server)
     assert differences(real, {**real, "modules": [*real["modules"], "not.imported.anywhere"]}, server)
+
+
+def test_what_importing_torch_prints_reaches_each_rank(tmp_path):
+    """A fresh rank prints torch's import-time warnings on its own stderr; a forked rank, whose torch was imported
+    before it existed, prints what that import printed (forkrun.IMPORT_STDERR). Planted: a copy of forkrun whose
+    import prints a line, a 2-rank job: the line twice on the job's stderr, once a rank."""
+    line = "            import torch  # noqa: F401\n"
+    copy = own_copy(tmp_path, (line, line + "            print('torch says: planted', file=sys.stderr)\n"))
+    path = script(tmp_path)
+    from tour import free_port
+    run = run_job([[sys.executable, str(copy), "2", str(free_port()), str(path)]], env=ONE_THREAD, timeout=120)
+    assert run.returncode == 0 and run.stdout.count("served False") == 2, run.describe()
+    assert run.stderr.count("torch says: planted") == 2, run.describe()
 
 
 def unimported(source: str, fresh: set[str], preloaded: set[str]) -> list[str]:
