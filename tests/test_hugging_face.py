@@ -129,17 +129,22 @@ def single_out() -> str:
     return out_of(command(single_block())[1])
 
 
-def page_run(script: str, init: bool = False) -> str:
-    """The block id of the page's command of `script` (with --init or without)."""
+def page_block(script: str, init: bool = False):
+    """The page's run block of `script` (its command with --init or without)."""
     (block,) = [b for b in RUNS if command(b)[0].endswith(script) and ("--init" in command(b)[1]) == init]
-    return block.id
+    return block
+
+
+def page_run(script: str, init: bool = False) -> str:
+    """The block id of the page's command of `script`: the name of its run."""
+    return page_block(script, init).id
 
 
 def phases() -> tuple[list[dict], dict[str, str]]:
     """The checks' own runs, in order, and {name: runs/ folder} of theirs and of the page's commands (by block id).
     "plain" is the page's hf_fsdp.py command again, driven: its block forwards counted, and its weights the page's
     run's, bit for bit (the driven runs compute what the commands do)."""
-    fsdp, ddp = command(block_of(page_run("hf_fsdp.py")))[1], command(block_of(page_run("hf_ddp.py")))[1]
+    fsdp, ddp = command(page_block("hf_fsdp.py"))[1], command(page_block("hf_ddp.py"))[1]
     runs = [{"name": "plain", "script": "your_model/hf_fsdp.py", "argv": [*fsdp, "--out", "runs/hf_fsdp_plain"]},
             {"name": "checkpoint", "script": "your_model/hf_fsdp.py",
              "argv": [*fsdp, "--checkpoint", "--out", "runs/hf_fsdp_checkpoint"]},
@@ -153,11 +158,6 @@ def phases() -> tuple[list[dict], dict[str, str]]:
              "argv": ["--dtype", "float64", "--init", f"runs/{single_out()}/model.pt", "--steps", "0",
                       "--out", "runs/hf_loaded"]}]
     return runs, {**{b.id: out_of(command(b)[1]) for b in RUNS}, **{r["name"]: out_of(r["argv"]) for r in runs}}
-
-
-def block_of(block_id: str):
-    (block,) = [b for b in RUNS if b.id == block_id]
-    return block
 
 
 PHASES, OUT = phases()
