@@ -178,7 +178,8 @@ def background(forked_launches: None, request: pytest.FixtureRequest,
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-build") as builder:
         try:
             yield Background(tour=pool.submit(run_tour, tour_copy) if tour_copy else None,
-                             readmes=pool.submit(run_docs, blocks, readme_tmp) if blocks else None,
+                             readmes=pool.submit(run_docs, blocks, readme_tmp, tour_copy is not None)
+                             if blocks else None,
                              image=builder.submit(build_image, engine, tmp_path_factory.mktemp("image"))
                              if build else None, engine=engine)
         finally:

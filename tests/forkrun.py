@@ -14,10 +14,11 @@ compares a forked rank with a real torchrun rank, field by field. Two difference
 the ranks share this process's hash seed (torchrun's each draw their own), and they start with the modules imported
 here (torch._dynamo's 800 and more, beside torch's own): test_forkrun checks that no script uses a module it does
 not import (a script that reached torch.distributed.fsdp through torch alone would pass here and fail under
-torchrun). The tour, the fault battery and the README commands of 11, 12 and your_model/ run through torchrun
-itself. What torchrun does beyond starting its workers (rendezvous between nodes, restarts, the agent's monitoring)
-stays with the real launcher: here, one rank failing stops the others (SIGTERM, then SIGKILL after GRACE s, the
-order torchrun's agent uses; its grace is 30 s), and the exit status is 1 for any failure (torchrun's too).
+torchrun). The tour, the fault battery, the README commands of 11, 12 and your_model/, and the first README launch
+of every other script run through torchrun itself. What torchrun does beyond starting its workers (rendezvous
+between nodes, restarts, the agent's monitoring) stays with the real launcher: here, one rank failing stops the
+others (SIGTERM, then SIGKILL after GRACE s, the order torchrun's agent uses; its grace is 30 s), and the exit
+status is 1 for any failure (torchrun's too).
 harness.launch_commands decides which test launches come here, readme_blocks.launch_shims which README commands.
 
 Within a test session even that one import is shared: the session starts a server (`forkrun.py --serve SOCKET`,
@@ -232,11 +233,45 @@ def wait_for(ranks: dict[int, int], port: str, client: socket.socket | None) -> 
     return 1 if failed else 0
 
 
+def shim_form(launcher: str, args: list[str]) -> str | None:
+    """The script of `torchrun args` or `python args` if it is a form the README shims fork, else None: `torchrun
+    --standalone --nproc_per_node=N script ...` and `python script.py ...` (a file that exists)."""
+    if launcher == "torchrun":
+        forked = len(args) >= 3 and args[0] == "--standalone" and re.fullmatch(r"--nproc_per_node=\d+", args[1]) \
+            and not args[2].startswith("-")
+        return args[2] if forked else None
+    return args[0] if args and args[0].endswith(".py") and os.path.isfile(args[0]) else None
+
+
+# A folder (the README shims set it; popped here, so no launch sees it) where each launcher and script the shims see
+# is claimed once: the first launch of a script through a launcher runs through the real one (python, torchrun),
+# the later ones are forked. So every script a README launches runs through its real launcher once in the session
+# (readme_blocks.run_docs: the pairs the tour runs are claimed before, test_readme_commands checks the rest).
+REAL_ONCE = "DDP_TUTORIAL_REAL_ONCE"
+
+
+def claimed_first(folder: str | None, launcher: str, script: str) -> bool:
+    """Whether this launch is the first of `script` through `launcher` (claimed in `folder`, with what it ran)."""
+    if not folder:
+        return False
+    path = Path(folder) / real_once_name(launcher, os.path.relpath(os.path.abspath(script)))
+    try:
+        with open(path, "x") as f:
+            json.dump({"cwd": os.getcwd(), "argv": [launcher, *sys.argv[2:]]}, f)
+    except FileExistsError:
+        return False
+    return True
+
+
+def real_once_name(launcher: str, script: str) -> str:
+    return f"{launcher} {script}".replace("/", "%")
+
+
 def main() -> int:
+    once = os.environ.pop(REAL_ONCE, None)
     if sys.argv[1] == "--torchrun":  # tests/readme_blocks.py's `torchrun`: the form it can run, or torchrun itself
         args = sys.argv[2:]
-        if len(args) < 3 or args[0] != "--standalone" or not re.fullmatch(r"--nproc_per_node=\d+", args[1]) \
-                or args[2].startswith("-"):
+        if (script := shim_form("torchrun", args)) is None or claimed_first(once, "torchrun", script):
             os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *args])
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from tour import free_port  # the suite's one way to pick a port (stdlib only: no torch in the launch)
@@ -244,7 +279,7 @@ def main() -> int:
         sys.argv = [sys.argv[0], args[1].split("=")[1], str(free_port()), *args[2:]]
     if sys.argv[1] == "--python":  # tests/readme_blocks.py's `python`: `python script.py args` forked, else python
         args = sys.argv[2:]
-        if not args or not args[0].endswith(".py") or not os.path.isfile(args[0]):
+        if (script := shim_form("python", args)) is None or claimed_first(once, "python", script):
             os.execv(sys.executable, [sys.executable, *args])
         sys.argv = [sys.argv[0], PYTHON, *args]
     if sys.argv[1] == PYTHON:  # `forkrun.py python script args`: `python script args`, from the server if it can

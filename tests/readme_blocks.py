@@ -17,7 +17,8 @@ Several may be combined with ";". The one change made to a command: ports writte
 free ports (the same one for the same number within a file), since the tests never use a fixed port. And one to
 how it runs: `torchrun` and `python` (`python3`) are launch_shims', which fork `torchrun --standalone
 --nproc_per_node=N script` jobs' ranks and `python script.py` from the session's import of torch (tests/forkrun.py)
-and hand every other form to torchrun or Python.
+and hand every other form to torchrun or Python; so is the first launch of each script through each launcher
+(run_docs: real_once), so that every script a README launches runs once as a reader starts it.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import forkrun
 from harness import FORKRUN, ROOT, Run, free_port, plan, run_job, slurm_missing, startup
 
 DOCS = sorted(p for p in ROOT.rglob("README.md") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts))
@@ -204,6 +206,7 @@ HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 
 # READMEs whose commands run through torchrun and python themselves, not the shims: the GPT stages' (the tour runs
 # stages 01-10 through their real launchers, with its own flags; nothing else ran 11's and 12's). ~45 CPU-s more.
+# The other READMEs' first launch of each script runs through its real launcher too (real_once).
 THROUGH_LAUNCHERS = (ROOT / "11_gpt" / "README.md", ROOT / "12_context_parallel" / "README.md")
 
 
@@ -212,7 +215,8 @@ def launch_shims(tmp: Path) -> Path:
     --nproc_per_node=N script args` and `python script.py args` (or python3) run through tests/forkrun.py (forked from
     the session's one import of torch: each such torchrun command cost ~8 CPU-s more through torchrun, and the READMEs
     hold 43; each `python script.py`, the ~2.5 CPU-s of importing torch); any other form (several nodes,
-    --max-restarts, `python -c`, `python -m`) is torchrun's or Python's own. The tour (every stage, through torchrun
+    --max-restarts, `python -c`, `python -m`) is torchrun's or Python's own, and so is a script's first launch where
+    the block's environment names a claims folder (forkrun.REAL_ONCE). The tour (every stage, through torchrun
     itself) does not use them, nor does the fault battery."""
     shim = tmp / "launch_shims"
     shim.mkdir()
@@ -223,17 +227,46 @@ def launch_shims(tmp: Path) -> Path:
     return shim
 
 
-def run_docs(blocks: list[Block], tmp: Path) -> dict[str, Run | BaseException]:
+def real_once(tmp: Path, tour: bool) -> Path:
+    """The folder where the shims claim each launcher and script they see (forkrun.REAL_ONCE): the first launch of a
+    script through a launcher runs through the real one. The tour's (`tour`: it runs in this session) are claimed
+    before: it runs them through torchrun and python itself."""
+    folder = tmp / "real_once"
+    folder.mkdir()
+    for step in plan(2, 32, device="cpu", gpus=0) if tour else []:
+        (folder / forkrun.real_once_name(step.launcher, f"{step.stage}/train.py")).write_text('"the tour"')
+    return folder
+
+
+def shimmed(command: str) -> tuple[str, str] | None:
+    """(launcher, script) of a README command that the shims take (forkrun.shim_form), else None."""
+    words = shlex.split(command, comments=True)
+    while words and re.fullmatch(r"\w+=\S*", words[0]):  # VAR=value before the command
+        words = words[1:]
+    if not words or words[0] not in ("torchrun", "python", "python3"):
+        return None
+    launcher = "torchrun" if words[0] == "torchrun" else "python"
+    if launcher == "python":  # forkrun.shim_form asks that the file exists: in the copy a README runs in, it does
+        return (launcher, words[1]) if len(words) > 1 and words[1].endswith(".py") else None
+    script = forkrun.shim_form(launcher, words[1:])
+    return (launcher, script) if script else None
+
+
+REAL_LAUNCHES: list[Path] = []  # run_docs's real_once folder, for test_readme_commands
+
+
+def run_docs(blocks: list[Block], tmp: Path, tour: bool = False) -> dict[str, Run | BaseException]:
     """Each block's run, by id: each README's blocks in order in one copy under `tmp`, AT_ONCE READMEs at a time.
 
     Much of a README's time is spent starting Python and importing torch on one core, or waiting (for a Slurm
-    job, a rendezvous): several at a time keep the cores busy.
+    job, a rendezvous): several at a time keep the cores busy. `tour`: the tour runs in this session (real_once).
     """
     docs: dict[Path, list[Block]] = {}
     for block in blocks:
         docs.setdefault(block.doc, []).append(block)
-    shims = {**HIDE_GPUS, "PATH": f"{launch_shims(tmp)}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}"
-                                  f"{os.environ['PATH']}"}
+    REAL_LAUNCHES[:] = [real_once(tmp, tour)]
+    shims = {**HIDE_GPUS, forkrun.REAL_ONCE: str(REAL_LAUNCHES[0]),
+             "PATH": f"{launch_shims(tmp)}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
 
     def one_doc(blocks: list[Block]) -> dict[str, Run | BaseException]:
         copy = repo_copy(Path(tempfile.mkdtemp(dir=tmp)))

@@ -231,6 +231,34 @@ def test_the_readme_python_forks_a_script_and_hands_the_rest_to_python(tmp_path)
         assert theirs.returncode == code and says in theirs.stdout + theirs.stderr, theirs.describe()
 
 
+def test_the_readme_shims_run_a_scripts_first_launch_through_the_real_launcher(tmp_path):
+    """With a claims folder (readme_blocks.run_docs gives the README blocks one), the first `python script` and the
+    first `torchrun --standalone` of a script run through Python and torchrun themselves, the next are forked; what a
+    claim records is what ran. A claim made before (the tour's) leaves the first launch forked too."""
+    path = script(tmp_path)
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    env = {"PATH": f"{readme_blocks.launch_shims(tmp_path)}{os.pathsep}{os.environ['PATH']}",
+           forkrun.REAL_ONCE: str(claims), **ONE_THREAD}
+    forms = {"python": f"python {path} a", "torchrun": f"torchrun --standalone --nproc_per_node=2 {path} a"}
+    for launcher, command in forms.items():
+        for served in (False, True):
+            run = run_job([["sh", "-c", command]], env=env, timeout=120, cwd=tmp_path)
+            agent = launcher == "torchrun" and not served
+            ranks = 2 if launcher == "torchrun" else 1
+            assert run.returncode == 0 and run.stdout.count(f"served {served} agent {agent} args ['a']") == ranks, \
+                (launcher, run.describe())
+        claim = json.loads((claims / forkrun.real_once_name(launcher, "report.py")).read_text())
+        assert claim == {"cwd": str(tmp_path), "argv": command.split()}, claim
+    assert readme_blocks.shimmed(forms["torchrun"]) == ("torchrun", str(path))
+    before = tmp_path / "before"
+    before.mkdir()
+    (before / forkrun.real_once_name("python", "report.py")).write_text('"the tour"')
+    run = run_job([["sh", "-c", "python report.py"]], env={**env, forkrun.REAL_ONCE: str(before)}, timeout=60,
+                  cwd=tmp_path)
+    assert run.returncode == 0 and "served True" in run.stdout, run.describe()
+
+
 # What a rank sees as it starts, written to OUT/rank{RANK}.json: the fields a forked rank must share with a real one.
 SEES = textwrap.dedent("""\
     import faulthandler, json, os, signal, sys, warnings
