@@ -396,13 +396,52 @@ def max_abs_diff(a: dict, b: dict) -> float:
 
 
 @functools.cache
-def load_stage(stage: str) -> ModuleType:
-    """Import a stage's train.py as a module (its work is in functions, so importing runs nothing)."""
-    # A stage ("04_ddp_torchrun") or a recipe ("recipes/grad_accumulation"): a folder holding train.py.
-    spec = importlib.util.spec_from_file_location(f"stage_{stage.replace('/', '_')}", ROOT / stage / "train.py")
+def load_stage(stage: str | Path) -> ModuleType:
+    """Import a stage's train.py as a module (its work is in functions, so importing runs nothing).
+
+    A stage ("04_ddp_torchrun"), a recipe ("recipes/grad_accumulation") or a folder elsewhere: a folder holding
+    train.py.
+    """
+    folder = ROOT / stage
+    return import_script(folder / "train.py",
+                         f"stage_{folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder.name}")
+
+
+def import_script(path: Path, name: str) -> ModuleType:
+    """Import the script `path` as the module `name`, and the files beside it that it imports as its own.
+
+    A GPT stage's train.py imports the files beside it by their plain names (`from model import GPT`, as
+    `python 11_gpt/train.py` finds them), and two stages hold files of the same names: each is imported here as its
+    stage's own (`stage_11_gpt.model`), never found under the plain name by the next stage loaded.
+    """
+    folder, name = path.parent, name.replace("/", "_")
+    siblings = {p.stem for p in folder.glob("*.py")} - {path.stem}
+    hidden = {s: sys.modules.pop(s) for s in siblings if s in sys.modules}  # another stage's, or a test's
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # inspect.getsource() finds classes through sys.modules
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(folder))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(folder))
+        for sibling in siblings:
+            if (own := sys.modules.pop(sibling, None)) is not None:  # under its stage's name, its classes too
+                own.__name__ = f"{name}.{sibling}"
+                sys.modules[own.__name__] = own
+                for value in vars(own).values():
+                    if isinstance(value, type) and value.__module__ == sibling:
+                        value.__module__ = own.__name__
+        sys.modules.update(hidden)
+    files = [sys.modules[f"{name}.{sibling}"] for sibling in sorted(siblings) if f"{name}.{sibling}" in sys.modules]
+
+    def beside(attr: str):  # stage.X for an X defined in another of its files (module __getattr__, PEP 562)
+        for own in files:
+            if attr in vars(own):
+                return vars(own)[attr]
+        raise AttributeError(f"{folder.name} has no {attr!r} in train.py or the files beside it")
+    if files:
+        module.__getattr__ = beside
     return module
 
 

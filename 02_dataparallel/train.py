@@ -206,10 +206,10 @@ def ensure_writable(directory: Path) -> None:
     tempfile.TemporaryFile(dir=directory).close()
 
 
-# The torch each folder needs: the release that made its APIs public (fully_shard, which 08, 09, 11 and 12 use, and
-# pipelining as 10 uses it: 2.6; register_post_accumulate_grad_hook: 2.1). 08-12 also check it at their top.
+# The torch each folder needs: the release that made its APIs public (fully_shard, which 08, 09, 11, 12 and 13 use, and
+# pipelining as 10 uses it: 2.6; register_post_accumulate_grad_hook: 2.1). 08-13 also check it at their top.
 NEEDS_TORCH = {"08_fsdp": (2, 6), "09_tensor_parallel": (2, 6), "10_pipeline_parallel": (2, 6), "11_gpt": (2, 6),
-               "12_context_parallel": (2, 6), "ddp_by_hand": (2, 1)}
+               "12_context_parallel": (2, 6), "13_pipeline_4d": (2, 6), "ddp_by_hand": (2, 1)}
 
 
 def check_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
@@ -220,7 +220,7 @@ def check_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Namespac
                 f"(the tutorial is tested with 2.13); see 'Using another torch' in README.md")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("argument --device: cuda asked but no GPU is visible; use --device cpu (or auto)")
-    gpus = torch.cuda.device_count() if pick_device(args.device).type == "cuda" else 0
+    gpus = torch.cuda.device_count() if args.device != "cpu" and torch.cuda.is_available() else 0  # auto or cuda
     spawned = getattr(args, "world_size", None)  # stage 03 starts its processes itself
     if gpus and spawned and spawned > gpus:
         p.error(f"argument --world-size: {spawned} processes but {gpus} GPU(s) visible; "

@@ -1,13 +1,13 @@
 """Stage 11: the same techniques on a real model and real text: a small GPT learns Shakespeare, character by character.
 
-Every stage so far trained a 4,996-parameter MLP on synthetic data. This one trains a decoder-only transformer,
-written out below (embeddings, causal self-attention, MLP, pre-norm blocks), on 1.1 MB of Shakespeare, one
-character per token, with what the stages taught, each a flag: DDP or FSDP2 (--parallel), tensor parallelism
-(--tp), gradient accumulation (--accumulate), bf16 autocast (--amp), torch.compile (--compile), and sharded
-checkpoints that resume exactly on any number of ranks (--snapshot). It is trained as real trainers train:
-AdamW with weight decay on the matrices only, the learning rate warmed up then decayed along a cosine, the gradient
-clipped (its norm taken over the whole model, however it is split). It reports how fast (tokens/s, and the MFU),
-how much memory, and how well: the held-out loss beside three baselines computed from the text, and a sample.
+Every stage so far trained a 4,996-parameter MLP on synthetic data. This one trains a decoder-only transformer
+(model.py) on 1.1 MB of Shakespeare, one character per token (dataset.py), with what the stages taught
+(parallelize.py), each a flag: DDP or FSDP2 (--parallel), tensor parallelism (--tp), gradient accumulation
+(--accumulate), bf16 autocast (--amp), torch.compile (--compile), and sharded checkpoints that resume exactly on any
+number of ranks (--snapshot). It is trained as real trainers train: AdamW with weight decay on the matrices only,
+the learning rate warmed up then decayed along a cosine, the gradient clipped (its norm taken over the whole model,
+however it is split). It reports how fast (tokens/s, and the MFU), how much memory, and how well (evaluate.py): the
+held-out loss beside three baselines computed from the text, and a sample.
 
     python 11_gpt/train.py --max-steps 100                       # one process, 100 steps
     torchrun --standalone --nproc_per_node=2 11_gpt/train.py     # the default run: about 2 minutes on 2 CPU cores
@@ -17,18 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import os
-import re
 import shutil
-import socket
 import sys
-import time
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -40,147 +35,24 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+# The files beside this one (`python train.py` puts its folder first on sys.path). checks_and_reports.py holds what
+# only the tests and the reports need (flag checks, checkpoint checks, MFU, --out): each `checks.` below is not the
+# lesson; leave it out of your project.
+import checks_and_reports as checks
+from dataset import DATA, Corpus, baselines, batch_of_windows, load_corpus, to_device
+from evaluate import clock, held_out_loss, sample
+from model import DTYPES, GPT, Config
+from parallelize import clip_gradients, full_model, make_mesh, parallelize
+
 STAGE = "11_gpt"
-DATA = Path(__file__).resolve().parent / "data" / "input.txt"  # tiny Shakespeare, in the repository: data/README.md
-HELD_OUT = 0.1  # the last tenth of the text is never trained on: the held-out loss is measured there
-DTYPES = {"float32": torch.float32, "float64": torch.float64}  # --dtype
 
 
-# ─── The data: characters of a real text ───────────────────────────────────────────────────────────────────────────
-
-class Corpus(NamedTuple):
-    chars: str  # the vocabulary: every character the text uses, sorted; a token is an index into it
-    train: torch.Tensor  # the first 90% of the text as token ids
-    held_out: torch.Tensor  # the last 10%
-
-
-def load_corpus(path: Path) -> Corpus:
-    text = path.read_text(encoding="utf-8")
-    chars = "".join(sorted(set(text)))  # of the whole text, so that every held-out character has an id
-    index = {c: i for i, c in enumerate(chars)}
-    tokens = torch.tensor([index[c] for c in text], dtype=torch.long)
-    split = int(len(tokens) * (1 - HELD_OUT))
-    return Corpus(chars, tokens[:split], tokens[split:])
-
-
-def baselines(corpus: Corpus) -> dict[str, float]:
-    """The held-out loss (nats per character) of three models that need no training: "it learned" is a comparison.
-
-    uniform: every character equally likely (ln of the vocabulary's size). unigram: each character as frequent as
-    in the training text. bigram: the next character given this one, counted in the training text. Counts start at
-    1 (add-one smoothing), so no held-out character has probability 0. They predict what the model predicts: every
-    held-out character but the first.
-    """
-    v, train, held = len(corpus.chars), corpus.train, corpus.held_out
-    unigram = torch.bincount(train, minlength=v).double() + 1
-    pairs = (torch.bincount(train[:-1] * v + train[1:], minlength=v * v).double() + 1).view(v, v)
-    return {"uniform": math.log(v),
-            "unigram": -(unigram / unigram.sum()).log()[held[1:]].mean().item(),
-            "bigram": -(pairs / pairs.sum(1, keepdim=True)).log()[held[:-1], held[1:]].mean().item()}
-
-
-def batch_of_windows(tokens: torch.Tensor, context: int, rows: int, seed: int, step: int):
-    """Step `step`'s batch: `rows` windows of `context` characters at random places, and the same shifted by one.
-
-    One order for every layout: drawn from a generator seeded with seed + step, the same on every rank, so the
-    global batch of a step does not depend on how many processes share it (each takes its rows, in Trainer).
-    """
-    g = torch.Generator().manual_seed(seed + step)
-    starts = torch.randint(len(tokens) - context, (rows, 1), generator=g)
-    positions = starts + torch.arange(context)
-    return tokens[positions], tokens[positions + 1]  # the input, and the next character at every position
-
-
-def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A batch from the CPU to the training device without waiting: copied from pinned (page-locked) memory, a
-    copy runs on the GPU's queue while Python goes on; from ordinary memory it would wait for the GPU to catch up."""
-    return batch.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else batch.to(device)
-
-
-# ─── The model: a decoder-only transformer ─────────────────────────────────────────────────────────────────────────
-
-class Config(NamedTuple):
-    vocab: int  # characters in the vocabulary (65 in tiny Shakespeare)
-    context: int = 64  # the longest sequence the model reads: its positions
-    layers: int = 4  # transformer blocks
-    heads: int = 4  # attention heads per block
-    width: int = 128  # the residual stream's size; each head gets width // heads of it
-
-
-class SelfAttention(nn.Module):
-    """Causal multi-head self-attention: each position mixes in what the positions before it hold."""
-
-    def __init__(self, cfg: Config) -> None:
-        super().__init__()
-        self.q, self.k, self.v = (nn.Linear(cfg.width, cfg.width) for _ in range(3))  # heads side by side
-        self.proj = nn.Linear(cfg.width, cfg.width)
-        self.head_size = cfg.width // cfg.heads
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        # [b, t, heads * head_size] -> [b, heads, t, head_size]. "-1 heads": under --tp this rank holds only its
-        # heads' rows of q, k and v (see TP_PLAN), so the same line computes its share of the heads.
-        q, k, v = (f(x).view(b, t, -1, self.head_size).transpose(1, 2) for f in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # position i sees positions 0..i only
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: Config) -> None:
-        super().__init__()
-        self.fc, self.proj = nn.Linear(cfg.width, 4 * cfg.width), nn.Linear(4 * cfg.width, cfg.width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
-
-
-class Block(nn.Module):
-    """Pre-norm: each part reads a normalised copy of the residual stream and adds its result back to it."""
-
-    def __init__(self, cfg: Config) -> None:
-        super().__init__()
-        self.norm1, self.attn = nn.LayerNorm(cfg.width), SelfAttention(cfg)
-        self.norm2, self.mlp = nn.LayerNorm(cfg.width), MLP(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, cfg: Config) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.tokens = nn.Embedding(cfg.vocab, cfg.width)  # what each character is
-        self.positions = nn.Embedding(cfg.context, cfg.width)  # where it is
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.norm = nn.LayerNorm(cfg.width)
-        self.head = nn.Linear(cfg.width, cfg.vocab, bias=False)  # a score for every possible next character
-        for name, p in self.named_parameters():  # GPT-2's initialisation
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif p.dim() == 2:  # the blocks' last layers add to the residual stream: smaller, so that it stays ~1
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.layers) if name.endswith("proj.weight") else 0.02)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids [b, t] -> logits [b, t, vocab]: at every position, the scores for the character after it."""
-        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
-
+# ─── Training ──────────────────────────────────────────────────────────────────────────────────────────────────────
 
 def load_train_objs(args: argparse.Namespace, corpus: Corpus, device: torch.device, mesh: DeviceMesh):
     cfg = Config(len(corpus.chars), args.context, args.layers, args.heads, args.width)
@@ -208,99 +80,9 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
     return args.lr / 10 + (args.lr - args.lr / 10) * 0.5 * (1 + math.cos(math.pi * done))
 
 
-def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Scale the gradients down so that their norm, over the whole model, is at most max_norm (0: never); return
-    the norm before. One rare large gradient then cannot undo many steps. The norm is of the whole gradient, as one
-    process would compute it, however it is split: DDP's gradients are whole on every rank (already averaged), but
-    a DTensor's (FSDP2's shards, tp's slices) is this rank's piece, and its norm a collective over the piece's mesh:
-    DTensor sums the pieces' squares there (an all-reduce, inside get_total_norm). The embeddings and norms lie on
-    the dp mesh, tp's layers on dp x tp: one norm per mesh (torch's clip_grad_norm_ refuses a mix), then the total."""
-    by_mesh: dict = {}
-    for p in model.parameters():
-        if p.grad is not None:
-            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    squares = []
-    for params in by_mesh.values():  # the same meshes in the same order on every rank (the model's order)
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)  # (already whole: a copy)
-    total = torch.stack(squares).sum().sqrt()
-    if max_norm > 0:
-        for params in by_mesh.values():
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total.detach()
-
-
-# ─── What the stages taught: who holds and computes what ───────────────────────────────────────────────────────────
-
-def make_mesh(device: torch.device, shape: tuple[int, int], names: tuple[str, str], timeout: float) -> DeviceMesh:
-    """Stage 09's grid: shape[0] rows of shape[1] ranks (rank r in row r // shape[1]: consecutive ranks, one node),
-    a process group for each column (names[0]) and each row (names[1]), every one waiting --timeout like the world's:
-    init_device_mesh would give them the backend's default, 30 minutes, so a stalled rank would hang the job."""
-    grid = torch.arange(dist.get_world_size()).reshape(shape)
-    wait = timedelta(seconds=timeout)
-    columns, _ = dist.new_subgroups_by_enumeration(grid.T.tolist(), timeout=wait)  # every rank makes every group
-    rows, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=wait)
-    # On the training device explicitly: the default is cuda wherever a GPU is visible (pytorch#132471).
-    return DeviceMesh.from_group([columns, rows], device.type, mesh=grid, mesh_dim_names=names)
-
-
-# Stage 09's pairing, on a transformer block: q, k and v split column-wise (each tp rank computes whole heads, its
-# share of them, without talking), the attention's output projection row-wise (partial sums, all-reduced over tp);
-# the MLP's first layer column-wise, its second row-wise. Per block, two all-reduces forward and four backward (the
-# gradient of each column-wise layer's input is a sum over tp: q, k, v and the MLP's first layer).
-# Embeddings, norms and the head stay whole on every tp rank (they are small here); FSDP2 shards them over dp.
-TP_PLAN = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-           "attn.proj": RowwiseParallel(), "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
-
-
-def parallelize(model: GPT, mesh: DeviceMesh, args: argparse.Namespace) -> nn.Module:
-    """The model as this rank trains it: split over tp (--tp), compiled (--compile), then DDP or FSDP2 over dp."""
-    if args.tp > 1:  # every rank built the same weights (the same seed): each keeps its slice, no broadcast
-        for block in model.blocks:
-            parallelize_module(block, mesh["tp"], TP_PLAN)
-        # Gathering a weight split over tp and sharded over dp takes two all-gathers: torch warns, on every rank.
-        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    if args.compile:  # each block compiled on its own, in place (the parameters keep their names)
-        for block in model.blocks:
-            block.compile()
-    if args.parallel == "fsdp":  # stage 08: each block a unit, gathered whole only while it computes
-        # --amp bf16: the shards stay float32 (the optimizer's), gathered as bfloat16 (half the bytes) for the
-        # forward and backward; the gradients are reduce-scattered in float32, so the average rounds as without it.
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.amp == "bf16" \
-            else MixedPrecisionPolicy()
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh["dp"], mp_policy=mp)
-        return fully_shard(model, mesh=mesh["dp"], mp_policy=mp)  # the rest (embeddings, norm, head): the root
-    # Stages 03-06: a replica per rank; the constructor broadcasts rank 0's weights, backward averages gradients.
-    return DDP(model, device_ids=[model.head.weight.device] if model.head.weight.is_cuda else None,
-               process_group=mesh.get_group("dp"))
-
-
-def full_model(model: nn.Module, cfg: Config) -> GPT | None:
-    """The whole model as a plain GPT on rank 0's CPU, None on the other ranks (every rank calls this): the pieces
-    are sent unit by unit and only rank 0 keeps them (full_state_dict with cpu_offload), as when saving one file."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() != 0:
-        return None
-    with torch.device("meta"):  # no memory and no random draws: the weights come from `state`
-        full = GPT(cfg)
-    full.load_state_dict(state, assign=True)  # (no "module." prefix: get_model_state_dict drops DDP's)
-    return full
-
-
-# ─── Training ──────────────────────────────────────────────────────────────────────────────────────────────────────
-
-PROGRESS = "progress.json"  # beside the shards: steps done, losses, and the settings the checkpoint was made with
-CHECKPOINT = re.compile(r"step_(\d{6,})")  # a complete checkpoint; "step_NNNNNN.tmp" is one being written
 # AdamW's state and settings saved under each parameter's name, not per param group: a checkpoint then names every
-# value alike whichever parameters a rank's groups hold (stage 12's pipeline stages hold some blocks only).
+# value alike whichever parameters a rank's groups hold (stage 13's pipeline stages hold some blocks only).
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def checkpoints(directory: Path) -> list[Path]:
-    """The complete checkpoints in `directory`, oldest first."""
-    found = [p for p in directory.iterdir() if CHECKPOINT.fullmatch(p.name)] if directory.is_dir() else []
-    return sorted(found, key=lambda p: int(CHECKPOINT.fullmatch(p.name).group(1)))
 
 
 class Trainer:
@@ -345,15 +127,15 @@ class Trainer:
         except (Exception, dcp.CheckpointException) as e:  # raised on every rank if any rank failed to write
             if self.master_process:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise failed_save(e, tmp, self.args.snapshot) from None
+            raise checks.failed_save(e, tmp, self.args.snapshot) from None
         if self.master_process:
             progress = {"steps": self.steps, "losses": self.losses, "curve": self.curve, "seed": self.args.seed,
-                        "grad_norms": self.grad_norms, "schedule": schedule(self.args),
+                        "grad_norms": self.grad_norms, "schedule": checks.schedule(self.args),
                         "global_batch": self.global_batch, "dtype": self.args.dtype, "model": self.cfg._asdict(),
                         "world_size": dist.get_world_size()}
-            (tmp / PROGRESS).write_text(json.dumps(progress) + "\n")
+            (tmp / checks.PROGRESS).write_text(json.dumps(progress) + "\n")
             os.replace(tmp, final)  # a directory named step_N is complete; only then is the previous one removed
-            for old in checkpoints(self.args.snapshot)[:-1]:
+            for old in checks.checkpoints(self.args.snapshot)[:-1]:
                 shutil.rmtree(old)
 
     def syncing(self, last: bool):
@@ -443,56 +225,7 @@ class Trainer:
     def record(self) -> None:
         """--out: keep the whole state (gathered: every rank calls this), for the tests to compare runs step by step."""
         if self.args.out is not None:
-            self.trajectory.append(state_at(self.model, self.optimizer, self.steps))
-
-
-@torch.no_grad()
-def held_out_loss(model: nn.Module, tokens: torch.Tensor, context: int, mesh: DeviceMesh,
-                  device: torch.device) -> tuple[float, int]:
-    """Sum of the losses on every held-out character but the first, in windows of `context`, with the model as it
-    trains (sharded, split: no rank holds it whole). The dp rows share the windows (row r scores r, r+dp, ...: each
-    once; a row's tp ranks score the same ones together); every rank runs as many batches (FSDP's forward is a
-    collective: each unit all-gathers), some maybe empty; one all_reduce over dp adds the sums."""
-    model.eval()
-    dp_rank, dp = mesh.get_local_rank("dp"), mesh["dp"].size()
-    starts = torch.arange(0, len(tokens) - 1, context)
-    whole, tail = starts[starts + context + 1 <= len(tokens)], starts[starts + context + 1 > len(tokens)]
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for chunk in whole[dp_rank::dp].tensor_split(-(-len(whole) // (dp * 32))):  # batches of up to 32 windows
-        windows = tokens[chunk[:, None] + torch.arange(context + 1)].to(device)
-        logits = model(windows[:, :-1]).double()
-        totals += torch.tensor([F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten(), reduction="sum")
-                                .item(), windows[:, 1:].numel()], dtype=torch.float64, device=device)
-    for start in tail.tolist():  # the text's last window is shorter: every rank computes it, dp row 0 counts it
-        window = tokens[start:][None].to(device)
-        logits = model(window[:, :-1]).double()
-        if dp_rank == 0:
-            totals += torch.tensor([F.cross_entropy(logits[0], window[0, 1:], reduction="sum").item(),
-                                    window.shape[1] - 1], dtype=torch.float64, device=device)
-    if hasattr(model, "reshard"):  # FSDP2 keeps the root unit gathered after a forward, for a backward: none follows
-        model.reshard()
-    model.train()
-    dist.all_reduce(totals, group=mesh.get_group("dp"))
-    return totals[0].item(), int(totals[1].item())
-
-
-@torch.no_grad()
-def sample(model: nn.Module, chars: str, length: int, context: int, seed: int, device: torch.device,
-           temperature: float = 0.8) -> str:
-    """`length` characters, each drawn from the model's prediction given those before it (its last `context`).
-    Every rank runs it with the model as it trains (its forward is a collective): the same seed, the same logits
-    (every rank computes them whole), so the same characters."""
-    model.eval()
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.tensor([[chars.find("\n") if "\n" in chars else 0]], device=device)  # start as a line starts
-    for _ in range(length):
-        logits = model(idx[:, -context:])[0, -1].double().cpu()
-        next_char = torch.multinomial((logits / temperature).softmax(-1), 1, generator=g)
-        idx = torch.cat([idx, next_char.to(device)[None]], dim=1)
-    if hasattr(model, "reshard"):
-        model.reshard()
-    model.train()
-    return "".join(chars[i] for i in idx[0, 1:].tolist())
+            self.trajectory.append(checks.state_at(self.model, self.optimizer, self.steps))
 
 
 def replica_max_abs_diff(model: nn.Module, group: dist.ProcessGroup) -> float:
@@ -506,16 +239,17 @@ def replica_max_abs_diff(model: nn.Module, group: dist.ProcessGroup) -> float:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    # ArgumentParser and positive() are defined below the line: a bad value is one line of error and exit 2.
-    p = ArgumentParser(prog=f"{STAGE}/train.py", description=__doc__.splitlines()[0])
-    p.add_argument("--max-steps", type=positive(int), default=800,
+    # ArgumentParser and positive() are in checks_and_reports.py: a bad value is one line of error and exit 2.
+    p = checks.ArgumentParser(prog=f"{STAGE}/train.py", description=__doc__.splitlines()[0])
+    p.add_argument("--max-steps", type=checks.positive(int), default=800,
                    help="optimizer steps in all (the length of training: a text has no epochs here; a resumed "
                         "run goes on to it)")
-    p.add_argument("--batch-size", type=positive(int), default=16, help="windows per micro-batch per dp rank")
-    p.add_argument("--lr", type=positive(float), default=6e-3, help="AdamW's top learning rate (see --warmup-steps)")
-    p.add_argument("--warmup-steps", type=positive(int),
+    p.add_argument("--batch-size", type=checks.positive(int), default=16, help="windows per micro-batch per dp rank")
+    p.add_argument("--lr", type=checks.positive(float), default=6e-3,
+                   help="AdamW's top learning rate (see --warmup-steps)")
+    p.add_argument("--warmup-steps", type=checks.positive(int),
                    help="steps of the rate's linear rise to --lr (default: a twentieth of --decay-steps)")
-    p.add_argument("--decay-steps", type=positive(int),
+    p.add_argument("--decay-steps", type=checks.positive(int),
                    help="the step where the rate's cosine decay reaches --lr / 10 (default: --max-steps)")
     p.add_argument("--clip", type=float, default=1.0, help="the largest gradient norm a step takes (0: no clipping)")
     p.add_argument("--seed", type=int, default=0)
@@ -523,40 +257,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=list(DTYPES), default="float32",
                    help="float64 rounds 5e8 times finer than float32: for checking results, not for speed")
     p.add_argument("--out", type=Path, help="write summary.json, model.pt and trajectory.pt here")
-    p.add_argument("--timeout", type=positive(float), default=60.0,
+    p.add_argument("--timeout", type=checks.positive(float), default=60.0,
                    help="seconds a collective waits for the other ranks before the job fails")
     p.add_argument("--snapshot", type=Path,
                    help="checkpoint directory: resumed from if it holds one, written during training")
-    p.add_argument("--save-every", type=positive(int), default=100, help="steps between checkpoints")
+    p.add_argument("--save-every", type=checks.positive(int), default=100, help="steps between checkpoints")
     p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
                    help="over the dp ranks: a replica each (DDP) or a shard each (FSDP2, every block a unit)")
-    p.add_argument("--tp", type=positive(int), default=1,
+    p.add_argument("--tp", type=checks.positive(int), default=1,
                    help="tensor-parallel degree: processes that split every block (with --parallel fsdp)")
-    p.add_argument("--accumulate", type=positive(int), default=1, help="micro-batches of --batch-size per step")
+    p.add_argument("--accumulate", type=checks.positive(int), default=1, help="micro-batches of --batch-size per step")
     p.add_argument("--amp", choices=["bf16"], help="autocast the forward to bfloat16 (the weights stay float32)")
     p.add_argument("--compile", action="store_true", help="torch.compile every block")
     p.add_argument("--data", type=Path, default=DATA, help="a UTF-8 text to learn (default: tiny Shakespeare)")
-    p.add_argument("--context", type=positive(int), default=64, help="characters the model reads at once")
-    p.add_argument("--layers", type=positive(int), default=4, help="transformer blocks")
-    p.add_argument("--heads", type=positive(int), default=4, help="attention heads per block")
-    p.add_argument("--width", type=positive(int), default=128, help="size of the residual stream")
-    p.add_argument("--eval-every", type=positive(int), default=50, help="steps between log lines (and curve points)")
+    p.add_argument("--context", type=checks.positive(int), default=64, help="characters the model reads at once")
+    p.add_argument("--layers", type=checks.positive(int), default=4, help="transformer blocks")
+    p.add_argument("--heads", type=checks.positive(int), default=4, help="attention heads per block")
+    p.add_argument("--width", type=checks.positive(int), default=128, help="size of the residual stream")
+    p.add_argument("--eval-every", type=checks.positive(int), default=50,
+                   help="steps between log lines (and curve points)")
     p.add_argument("--sample", type=int, default=500, help="characters to generate at the end (0: none)")
-    return check_gpt_args(p, check_checkpoint_arg(p, check_args(p, p.parse_args(argv))))
+    return checks.check_gpt_args(p, checks.check_checkpoint_arg(p, checks.check_args(p, p.parse_args(argv))))
 
 
 def pick_device(choice: str) -> torch.device:
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(choice)
-
-
-def clock(device: torch.device) -> float:
-    """Seconds on a steady clock, read once the GPU has finished its queued work: CUDA runs asynchronously, so a
-    clock read without waiting would time the kernels' launches, not the kernels."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def restart_safe_store(timeout: float) -> dist.Store | None:
@@ -623,14 +350,14 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
     loss_sum, count = held_out_loss(model, corpus.held_out, cfg.context, mesh, device)
     # DDP's replicas must agree; FSDP has none to compare (each rank holds other shards): no gather of the model.
     max_diff = replica_max_abs_diff(model, mesh.get_group("dp")) if args.parallel == "ddp" else None
-    memory = peak_memory(model, optimizer, device)  # every rank's, gathered (below the line)
-    peak = machine_peak(device, args)  # the FLOP/s the MFU is of: measured on a CPU, every rank at once (below)
+    memory = checks.peak_memory(model, optimizer, device)  # every rank's, gathered (checks_and_reports.py)
+    peak = checks.machine_peak(device, args)  # the FLOP/s the MFU is of: measured on a CPU (checks_and_reports)
     text = sample(model, corpus.chars, args.sample, cfg.context, args.seed, device) if args.sample else ""
     if master_process:
         loss = loss_sum / count
         print(f"held-out loss {loss:.4f} nats/char over {count:,} characters | bigram {floor['bigram']:.3f}, "
               f"unigram {floor['unigram']:.3f}, uniform {floor['uniform']:.3f}")
-        speed = report_speed(trainer, cfg, device, peak)
+        speed = checks.report_speed(trainer, cfg, device, peak)
         print(f"peak memory per rank ({memory['how']}): " + " | ".join(
             f"rank {r} {m / 2**20:,.0f} MiB" for r, m in enumerate(memory["peak"])) + " | model state per rank "
             "(weights, gradients, AdamW's moments): " + " | ".join(f"{b / 2**20:.2f} MiB" for b in memory["state"]))
@@ -639,7 +366,7 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
     if args.out is not None:  # model.pt: the whole model, gathered once at the end, onto rank 0's CPU only
         full = full_model(model, cfg)
         if master_process:
-            write_run(args, trainer, full, floor, (loss, count), seconds, speed, memory, max_diff, text)
+            checks.write_run(args, trainer, full, floor, (loss, count), seconds, speed, memory, max_diff, text)
     if max_diff:  # every rank of a dp group computed the same max_diff (all_gather), so they stop here together
         raise RuntimeError(f"DDP's replicas diverged (max |difference| {max_diff:.3g})")
 
@@ -652,8 +379,8 @@ def main(argv: list[str] | None = None) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device("cuda", local_rank) if pick_device(args.device).type == "cuda" else torch.device("cpu")
     try:  # check the checkpoint before joining the group: a bad one is one line and exit 2 on every rank
-        snapshot = None if args.snapshot is None else load_snapshot(args, world_size // args.tp)
-    except SnapshotError as e:
+        snapshot = None if args.snapshot is None else checks.load_snapshot(args, world_size // args.tp)
+    except checks.SnapshotError as e:
         print(f"{STAGE}/train.py: error: argument --snapshot: {e}", file=sys.stderr)
         sys.exit(2)
     if rank == 0 and args.snapshot is not None:  # a save cut short by a crash: never loaded, so never needed
@@ -664,432 +391,14 @@ def main(argv: list[str] | None = None) -> None:
         mesh = make_mesh(device, (world_size // args.tp, args.tp), ("dp", "tp"), args.timeout)
         train(rank, world_size, device, args, mesh, snapshot)
     except RuntimeError as e:  # gloo raises a peer's death or stall here, as a timeout or a closed connection
-        if (hint := explain_peer_failure(e, args.timeout)) is not None:
+        if (hint := checks.explain_peer_failure(e, args.timeout)) is not None:
             print(f"[{STAGE}] rank {rank}: {hint}", file=sys.stderr)
         raise
     finally:
         # On success train() has returned and its model is gone: destroying the group while a DDP
         # model still holds it can hang a gloo process at exit (pytorch/pytorch#75097).
         dist.destroy_process_group()
-    exit_without_teardown()  # skips Python's teardown, which a gloo thread can crash (below the line)
-
-
-# ═══ The lesson ends here ═══════════════════════════════════════════════════════════════════════════════════════
-# Below: what only the tour and the tests need, the same in every stage (tests/test_repo.py checks it); leave it out
-# of your own project. Flag values refused in one line (check_args), the run's files for --out (state_of, save_run),
-# one line on how another rank failed (explain_peer_failure), and a clean exit past a gloo bug.
-
-import pickle
-import resource
-import tempfile
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line naming the flag, exit 2 (no usage dump)
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
-        return value
-    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
-    return parse
-
-
-def ensure_writable(directory: Path) -> None:
-    """Create `directory` if needed and write a file there: mkdir alone succeeds on a read-only disk."""
-    directory.mkdir(parents=True, exist_ok=True)
-    tempfile.TemporaryFile(dir=directory).close()
-
-
-# The torch each folder needs: the release that made its APIs public (fully_shard, which 08, 09, 11 and 12 use, and
-# pipelining as 10 uses it: 2.6; register_post_accumulate_grad_hook: 2.1). 08-12 also check it at their top.
-NEEDS_TORCH = {"08_fsdp": (2, 6), "09_tensor_parallel": (2, 6), "10_pipeline_parallel": (2, 6), "11_gpt": (2, 6),
-               "12_context_parallel": (2, 6), "ddp_by_hand": (2, 1)}
-
-
-def check_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    """Refuse now, in one line, what would otherwise fail later, on one rank only, or in a traceback."""
-    needs = NEEDS_TORCH.get(STAGE.split("/")[0], (2, 0))
-    if torch.__version__ < needs:
-        p.error(f"torch {torch.__version__} is too old for {STAGE}: it needs {needs[0]}.{needs[1]} or newer "
-                f"(the tutorial is tested with 2.13); see 'Using another torch' in README.md")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("argument --device: cuda asked but no GPU is visible; use --device cpu (or auto)")
-    gpus = torch.cuda.device_count() if pick_device(args.device).type == "cuda" else 0
-    spawned = getattr(args, "world_size", None)  # stage 03 starts its processes itself
-    if gpus and spawned and spawned > gpus:
-        p.error(f"argument --world-size: {spawned} processes but {gpus} GPU(s) visible; "
-                f"use --world-size {gpus} or fewer (or --device cpu)")
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes torchrun started on this node
-    if gpus and local_world_size > gpus:
-        p.error(f"torchrun --nproc_per_node: {local_world_size} processes but {gpus} GPU(s) visible; "
-                f"use --nproc_per_node={gpus} or fewer (or --device cpu)")
-    if "world_size" in args and "MASTER_PORT" in os.environ:  # stage 03, with a port of yours: check it now
-        port = os.environ["MASTER_PORT"]
-        if not (port.isdigit() and 0 < int(port) < 65536):
-            p.error(f"MASTER_PORT={port} is not a port number; unset it (a free port is picked) or use 1-65535")
-        if not port_is_free(int(port)):
-            p.error(f"MASTER_PORT={port} is in use by another process; unset it (a free port is picked) "
-                    f"or choose another")
-    if args.out is not None:
-        try:  # fail now, not after training
-            ensure_writable(args.out)
-        except OSError as e:
-            p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
-    return args
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as rank 0's store does
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-    return True
-
-
-def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int) -> dict:
-    """Weights and momentum after `epoch` epochs, whole and on the CPU: tour.py replays each epoch from them."""
-    def whole(t: torch.Tensor) -> torch.Tensor:  # a DTensor (08, 09) is all-gathered: every rank calls this
-        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
-    params = list(model.parameters())
-    return {"epoch": epoch, "params": [whole(p) for p in params],
-            "momentum": [whole(optimizer.state[p]["momentum_buffer"]) if p in optimizer.state else None
-                         for p in params]}
-
-
-class Trajectory(list):
-    """--out: state_of() at the start and after every epoch, which tour.py replays. Made only with --out: each entry
-    copies the whole model (in 08 and 09 an all-gather of it), which a run that does not keep it must not pay for."""
-
-    def __init__(self, trainer) -> None:
-        super().__init__()
-        self.trainer = trainer
-        self(getattr(trainer, "epochs_run", 0))  # a resumed run (06-09) records from the epoch it resumed at
-
-    def __call__(self, epoch: int) -> None:  # Trainer.train calls it after every epoch
-        self.append(self.state(epoch))
-
-    def state(self, epoch: int) -> dict:
-        return state_of(self.trainer.model, self.trainer.optimizer, epoch)
-
-
-def save_run(args: argparse.Namespace, trainer, trajectory: list[dict], model: nn.Module, device: torch.device,
-             evaluation: tuple, seconds: float, world_size: int = 1, max_diff: float | None = 0.0, **facts) -> None:
-    """--out: summary.json (the run in numbers), model.pt (the plain model) and trajectory.pt (for the replay)."""
-    loss_sum, correct, count = evaluation
-    global_batch = facts.pop("global_batch", args.batch_size * world_size)
-    epochs_here = len(trajectory) - 1  # trained by this run: a resumed one records from where it resumed
-    summary = {
-        "stage": STAGE, "world_size": world_size, "backend": dist.get_backend() if dist.is_initialized() else None,
-        "device": device.type, "global_batch": global_batch, "batch_size": args.batch_size, "epochs": args.epochs,
-        "lr": args.lr, "dtype": args.dtype, "seed": args.seed, "steps": trainer.steps, "losses": trainer.losses,
-        "eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_count": count,
-        "replica_max_abs_diff": max_diff, "seconds": seconds,
-        "samples_per_s": epochs_here * len(trainer.train_loader) * global_batch / seconds,
-        # Samples an epoch trains on: more than the data where DistributedSampler pads (tour.replay_error follows it).
-        "epoch_samples": getattr(trainer.train_loader.sampler, "total_size", len(trainer.train_loader.dataset)),
-        **facts,
-    }
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    torch.save(model.state_dict(), args.out / "model.pt")
-    torch.save(list(trajectory), args.out / "trajectory.pt")
-
-
-def explain_peer_failure(error: RuntimeError, timeout: float) -> str | None:
-    """One line for the two ways another rank's failure reaches this one; None for any other error."""
-    text = str(error).lower()
-    if "timed out" in text or "timeout" in text:
-        return (f"waited more than --timeout {timeout:g}s for another rank: it stalled, died or skipped a "
-                f"collective this rank called; raise --timeout only if a rank legitimately works alone that long")
-    if "connection closed by peer" in text or "connection reset by peer" in text:
-        return "another rank closed its connection (it died): its own error, or its launcher's, says why"
-    return None
-
-
-def exit_without_teardown() -> None:
-    """Leave without Python's interpreter teardown: a gloo worker thread may still be releasing the last
-    collective, which needs the GIL, and teardown aborts it ("terminate called without an active exception":
-    5 of 22 runs here; 0 of 60 with this exit). Nothing is left to clean up."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-# ─── This stage's own checks and reports ──────────────────────────────────────────────────────────────────────────
-# Settings and files refused in one line (the model's shape, --tp, the corpus, a checkpoint directory); a failed save
-# says why; the whole state for the trajectory; memory, speed and the files of --out.
-
-
-def check_checkpoint_arg(p: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    if args.snapshot is not None:
-        if args.snapshot.exists() and not args.snapshot.is_dir():
-            p.error(f"argument --snapshot: {args.snapshot} is a file; give a directory (each rank writes its own "
-                    f"shards)")
-        try:  # fail now, not at the first save
-            ensure_writable(args.snapshot)
-        except OSError as e:
-            p.error(f"argument --snapshot: cannot write to {args.snapshot} ({e.strerror}); "
-                    f"choose a writable directory")
-    return args
-
-
-def check_gpt_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    """The model's shape, the mesh and the corpus: refused now, in one line, rather than in a traceback on a rank."""
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if args.width % args.heads:
-        p.error(f"argument --heads: {args.heads} does not divide --width {args.width} (each head takes an equal "
-                f"part of the width)")
-    if args.tp > 1 and args.parallel != "fsdp":
-        p.error("argument --tp: tensor parallelism is combined with FSDP2 over dp here (stage 09); add "
-                "--parallel fsdp")
-    if world_size % args.tp:
-        p.error(f"argument --tp: {args.tp} does not divide the world size {world_size} (the mesh is dp x tp "
-                f"processes); use a divisor of {world_size}")
-    if args.heads % args.tp:
-        p.error(f"argument --tp: {args.tp} does not divide --heads {args.heads} (each tp rank computes whole heads); "
-                f"use one of {[d for d in range(1, args.heads + 1) if args.heads % d == 0]}")
-    if args.amp and args.dtype == "float64":
-        p.error("argument --amp: autocast leaves float64 alone, so nothing would run in bfloat16; use --dtype float32")
-    if args.clip < 0:
-        p.error(f"argument --clip: must be 0 (no clipping) or a positive norm, got {args.clip}")
-    if args.decay_steps is None:
-        args.decay_steps = args.max_steps
-    if args.warmup_steps is None:
-        args.warmup_steps = max(1, args.decay_steps // 20)
-    if args.warmup_steps > args.decay_steps:
-        p.error(f"argument --warmup-steps: {args.warmup_steps} is past --decay-steps {args.decay_steps} (the decay "
-                f"starts when the warm-up ends); use {args.decay_steps} or less")
-    if args.sample < 0:
-        p.error(f"argument --sample: must be 0 or more characters, got {args.sample}")
-    try:
-        corpus = load_corpus(args.data)
-    except (OSError, UnicodeDecodeError) as e:
-        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).split(":")[0]
-        p.error(f"argument --data: cannot read {args.data} as UTF-8 text ({why})")
-    shortest = min(len(corpus.train), len(corpus.held_out))
-    if args.context >= shortest:
-        p.error(f"argument --context: {args.context} characters is longer than the text allows: it holds "
-                f"{len(corpus.held_out):,} held-out characters after {len(corpus.train):,} to train on; "
-                f"use --context {max(shortest - 1, 1)} or less, or a longer text (--data)")
-    return args
-
-
-class SnapshotError(Exception):
-    """A --snapshot directory that cannot be resumed from: reported in one line, exit status 2."""
-
-
-class MetadataUnpickler(pickle.Unpickler):
-    """Reads a checkpoint's .metadata, which dcp.load unpickles as it is: only what metadata is made of passes."""
-
-    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-               ("pathlib", "WindowsPath"), ("collections", "OrderedDict"),
-               ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
-
-    def find_class(self, module: str, name: str):
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        # The metadata's own classes (dataclasses, an enum); not its module's functions, which a pickle could call.
-        metadata_class = module == "torch.distributed.checkpoint.metadata" and \
-            isinstance(getattr(dcp.metadata, name, None), type)
-        if (module, name) in self.ALLOWED or dtype or metadata_class:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata (a pickle that runs "
-                                     f"code?)")
-
-
-def load_snapshot(args: argparse.Namespace, dp: int) -> dict | None:
-    """Check the newest checkpoint in --snapshot without reading its shards; None if there is none yet."""
-    directory = args.snapshot
-    strangers = [p.name for p in directory.iterdir() if not CHECKPOINT.fullmatch(p.name.removesuffix(".tmp"))] \
-        if directory.is_dir() else []
-    if strangers:
-        raise SnapshotError(f"{directory} is not a checkpoint directory of this stage (it holds {strangers[0]}); "
-                            f"give a new or empty directory")
-    if not (found := checkpoints(directory)):
-        return None
-    path = found[-1]
-    try:
-        progress = json.loads((path / PROGRESS).read_text())
-        with open(path / ".metadata", "rb") as f:  # what was saved, and where each piece lies
-            metadata = MetadataUnpickler(f).load()
-    except Exception as e:  # a file missing or unreadable
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise SnapshotError(f"cannot load {path}: {first_line}") from e
-    keys = {"steps", "losses", "curve", "grad_norms", "seed", "global_batch", "dtype", "model", "world_size",
-            "schedule"}
-    if not isinstance(progress, dict) or not keys <= progress.keys():
-        raise SnapshotError(f"{path / PROGRESS} is not this stage's (expected the keys {sorted(keys)})")
-    cfg = Config(len(set(args.data.read_text(encoding="utf-8"))), args.context, args.layers, args.heads, args.width)
-    with torch.device("meta"):
-        expected = {f"model.{k}": list(v.shape) for k, v in GPT(cfg).state_dict().items()}
-    found_shapes = {k: list(getattr(metadata.state_dict_metadata.get(k), "size", [])) for k in expected}
-    if found_shapes != expected or progress["model"] != cfg._asdict():
-        made = progress["model"]
-        raise SnapshotError(f"{path} holds another model: context {made.get('context')}, {made.get('layers')} blocks, "
-                            f"{made.get('heads')} heads, width {made.get('width')}, vocabulary {made.get('vocab')} "
-                            f"(this run: context {cfg.context}, {cfg.layers} blocks, {cfg.heads} heads, width "
-                            f"{cfg.width}, vocabulary {cfg.vocab}); resume with the same, or use another --snapshot")
-    for piece in metadata.storage_data.values():  # a shard file missing or cut short: found now, not mid-load
-        file = path / piece.relative_path
-        if not file.exists() or file.stat().st_size < piece.offset + piece.length:
-            raise SnapshotError(f"{file} is {'truncated' if file.exists() else 'missing'}; that checkpoint is "
-                                f"incomplete")
-    global_batch = dp * args.accumulate * args.batch_size
-    made_with = (progress["seed"], progress["global_batch"], progress["dtype"])
-    if made_with != (args.seed, global_batch, args.dtype):
-        raise SnapshotError(f"{path} was made with --seed {made_with[0]}, global batch {made_with[1]} and "
-                            f"--dtype {made_with[2]}; resume with the same, or use another --snapshot")
-    if progress["schedule"] != schedule(args):  # the rate of every step to come depends on all three
-        made = progress["schedule"]
-        raise SnapshotError(f"{path} was made with --lr {made.get('lr')} --warmup-steps {made.get('warmup_steps')} "
-                            f"--decay-steps {made.get('decay_steps')}; resume with the same (a longer run: a larger "
-                            f"--max-steps, the same --decay-steps), or use another --snapshot")
-    return {"path": path, **progress}
-
-
-def schedule(args: argparse.Namespace) -> dict:
-    """What learning_rate() reads besides the step: saved with a checkpoint, checked when resuming."""
-    return {"lr": args.lr, "warmup_steps": args.warmup_steps, "decay_steps": args.decay_steps}
-
-
-def failed_save(error: Exception, tmp: Path, directory: Path) -> OSError:
-    """One line for a save that failed on some rank (dcp names each failure), and what is still there."""
-    causes = "; ".join(f"rank {r}: {exc}" for r, (exc, _) in error.failures.items()) \
-        if isinstance(error, dcp.CheckpointException) else str(error)
-    free = shutil.disk_usage(directory).free
-    kept = f"{checkpoints(directory)[-1]} is still the last checkpoint" if checkpoints(directory) \
-        else "there is no earlier checkpoint"
-    return OSError(f"writing the checkpoint {tmp} failed ({causes}; {free} bytes free on that disk); {kept}")
-
-
-def state_at(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict:
-    """Weights and AdamW's two moments after `step` steps, whole, on the CPU, by parameter name (state_of above is
-    for SGD's momentum). DTensors (FSDP2's shards, tp's slices) are all-gathered: every rank calls this."""
-    def whole(t: torch.Tensor) -> torch.Tensor:
-        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
-    named = [(name.removeprefix("module."), p) for name, p in model.named_parameters()]
-    moments = {key: {n: whole(optimizer.state[p][key]) for n, p in named if p in optimizer.state}
-               for key in ("exp_avg", "exp_avg_sq")}
-    return {"step": step, "params": {n: whole(p) for n, p in named}, **moments}
-
-
-def peak_memory(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict:
-    """Every rank's peak memory, and the bytes of the training state it holds (its pieces of the weights, gradients
-    and AdamW's moments: what DDP replicates and FSDP2 and tp split). On the CPU the peak is the process's largest
-    resident set (getrusage's ru_maxrss), torch's own code and buffers included; on a GPU, the most that torch had
-    allocated on it (torch.cuda.max_memory_allocated)."""
-    def local(t: torch.Tensor) -> int:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        return t.numel() * t.element_size()
-    # A gradient is as large as its weight (and is freed between steps); each of AdamW's moments too.
-    state = sum(2 * local(p) + sum(local(m) for m in optimizer.state[p].values() if m.dim())
-                for p in model.parameters())
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    mine = torch.tensor([peak, state], dtype=torch.float64, device=device)
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    return {"how": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "ru_maxrss, the whole process",
-            "peak": [int(m[0]) for m in every], "state": [int(m[1]) for m in every]}
-
-
-# Dense peaks of a few GPUs in FLOP/s (bfloat16, float32 without TF32), from NVIDIA's data sheets: for the MFU.
-PEAK_FLOPS = {"H100 PCIe": (756e12, 51e12), "H100": (989e12, 67e12), "H200": (989e12, 67e12),
-              "A100": (312e12, 19.5e12), "L40S": (362e12, 91.6e12), "L4": (121e12, 30.3e12)}
-
-
-def flops_per_token(cfg: Config) -> int:
-    """Training FLOPs per token (forward and backward): 6 per weight of every matmul (PaLM's 6N; the embeddings are
-    look-ups, not matmuls), plus the attention's scores and weighted sums, 12 x layers x context x width (PaLM,
-    appendix B; the causal mask's skipped half counted, as there)."""
-    matmul_weights = cfg.layers * 12 * cfg.width ** 2 + cfg.width * cfg.vocab  # q, k, v, proj: 4w^2; MLP: 8w^2; head
-    return 6 * matmul_weights + 12 * cfg.layers * cfg.context * cfg.width
-
-
-def machine_peak(device: torch.device, args: argparse.Namespace) -> dict:
-    """The peak the MFU is of, for the world. On a GPU, its data sheet's (PEAK_FLOPS: bf16 with --amp bf16, else
-    float32 without TF32), times the world size. On a CPU there is no data sheet to trust: every rank multiplies
-    512 x 512 matrices at the weights' dtype and its thread count for 0.1 s, all ranks at once, as they shared the
-    cores in training; the world's peak is the FLOPs of all of them over the time the slowest took (so that ranks
-    sharing a core, W above the cores, count the core once), the best of 3 rounds. With --amp bf16 in bfloat16 too,
-    and the faster of the two counts (a CPU without bf16 units multiplies bfloat16 far slower than float32; one
-    with them, faster). Every rank calls this (collectives)."""
-    world_size = dist.get_world_size()
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = next((p for key, p in PEAK_FLOPS.items() if key in name), None)
-        if peak is None:
-            return {"flops": None, "how": f"the peak of a {name} is not in PEAK_FLOPS"}
-        flops = peak[0] if args.amp == "bf16" else peak[1]
-        return {"flops": world_size * flops, "how": f"{world_size} x {flops / 1e12:g} TFLOP/s ({name}, data sheet)"}
-    n, measured = 512, {}
-    for dtype in [DTYPES[args.dtype]] + ([torch.bfloat16] if args.amp == "bf16" else []):
-        a, b = (torch.randn(n, n, dtype=dtype) for _ in range(2))
-        a @ b  # once first: the first call allocates and picks its kernel
-        rounds = []
-        for _ in range(3):
-            dist.barrier()  # start together
-            start, count = clock(device), 0
-            while clock(device) - start < 0.1:  # as many as fit
-                a @ b
-                count += 1
-            done = torch.tensor([count * 2 * n ** 3, clock(device) - start], dtype=torch.float64)
-            every = [torch.zeros_like(done) for _ in range(world_size)]
-            dist.all_gather(every, done)  # the world's matmuls are done when the slowest rank's are
-            rounds.append(sum(d[0].item() for d in every) / max(d[1].item() for d in every))
-        measured[str(dtype).removeprefix("torch.")] = max(rounds)
-    fastest = max(measured, key=measured.get)
-    threads = torch.get_num_threads()
-    return {"flops": measured[fastest], "how": f"{world_size} rank{'s' if world_size > 1 else ''} x {threads} "
-                                               f"thread{'s' if threads > 1 else ''}: "
-                                               f"{measured[fastest] / 1e9:.1f} GFLOP/s, a {fastest} matmul measured "
-                                               f"now" + "".join(f" ({k}: {v / 1e9:.1f})" for k, v in measured.items()
-                                                                if k != fastest)}
-
-
-def report_speed(trainer: Trainer, cfg: Config, device: torch.device, peak: dict) -> dict:
-    """Tokens per second of the training steps (evaluation and checkpoints left out), and the model FLOPs
-    utilisation: the FLOPs the model needs per token (flops_per_token), times tokens/s, over the world's peak
-    (machine_peak: a GPU's data sheet, a CPU's measured matmul)."""
-    steps_here = trainer.steps - trainer.resumed_at
-    tokens_per_s = steps_here * trainer.global_batch * cfg.context / trainer.train_seconds if steps_here else 0.0
-    speed = {"tokens_per_s": tokens_per_s, "flops_per_token": flops_per_token(cfg), "mfu": None,
-             "peak_flops": peak["flops"], "peak": peak["how"]}
-    line = f"tokens/s {tokens_per_s:,.0f} over {steps_here} steps ({trainer.train_seconds:.1f}s of training)"
-    if peak["flops"] is None:
-        line += f" | MFU: {peak['how']}"
-    else:
-        speed["mfu"] = tokens_per_s * speed["flops_per_token"] / peak["flops"]
-        line += f" | {speed['flops_per_token'] / 1e6:.2f} MFLOP/token | MFU {speed['mfu']:.1%} of {peak['how']}"
-    print(line)
-    return speed
-
-
-def write_run(args: argparse.Namespace, trainer: Trainer, model: GPT, floor: dict, evaluation: tuple, seconds: float,
-              speed: dict, memory: dict, max_diff: float, text: str) -> None:
-    """--out: summary.json (the run in numbers), model.pt (the plain GPT's weights), trajectory.pt (state_at's)."""
-    loss, count = evaluation
-    summary = {
-        "stage": STAGE, "world_size": dist.get_world_size(), "backend": dist.get_backend(),
-        "device": trainer.device.type, "dtype": args.dtype, "parallel": args.parallel, "dp": trainer.dp,
-        "tp": args.tp, "accumulate": args.accumulate, "amp": args.amp, "compile": args.compile,
-        "batch_size": args.batch_size, "global_batch": trainer.global_batch, "max_steps": args.max_steps,
-        **schedule(args), "clip": args.clip, "seed": args.seed, "model": model.cfg._asdict(),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "steps": trainer.steps, "resumed_at": trainer.resumed_at, "losses": trainer.losses,
-        "grad_norms": trainer.grad_norms,
-        "curve": trainer.curve, "eval_loss": loss, "eval_count": count, "baselines": floor,
-        "replica_max_abs_diff": max_diff, "seconds": seconds, "train_seconds": trainer.train_seconds, **speed,
-        "memory": memory, "sample": text,
-    }
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    torch.save(model.state_dict(), args.out / "model.pt")
-    torch.save(trainer.trajectory, args.out / "trajectory.pt")
+    checks.exit_without_teardown()  # skips Python's teardown, which a gloo thread can crash (checks_and_reports.py)
 
 
 if __name__ == "__main__":

@@ -212,14 +212,19 @@ def show_diff(old_stage: str, new_stage: str, context: int = 1) -> None:
 
 
 def show_outline(stage: str) -> None:
-    """The top-level functions and classes of a stage's train.py, with the first line of their docstring."""
-    tree = ast.parse((ROOT / stage / "train.py").read_text())
-    rows = ["| line | definition | what it is |", "|---|---|---|"]
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef | ast.ClassDef):
-            doc = (ast.get_docstring(node) or "").split("\n")[0]
-            kind = "class" if isinstance(node, ast.ClassDef) else "def"
-            rows.append(f"| {node.lineno} | `{kind} {node.name}` | {doc} |")
+    """The top-level functions and classes of a stage's train.py, with the first line of their docstring; of a GPT
+    stage (a folder of files by concern), of each of its files in the order a reader meets them."""
+    order = ["dataset.py", "model.py", "parallelize.py", "context_parallel.py", "pipeline.py", "train.py",
+             "evaluate.py", "checks_and_reports.py"]
+    files = sorted((ROOT / stage).glob("*.py"), key=lambda p: order.index(p.name) if p.name in order else len(order)) \
+        if (ROOT / stage / "model.py").exists() else [ROOT / stage / "train.py"]
+    rows = ["| file:line | definition | what it is |", "|---|---|---|"]
+    for path in files:
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef):
+                doc = (ast.get_docstring(node) or "").split("\n")[0]
+                kind = "class" if isinstance(node, ast.ClassDef) else "def"
+                rows.append(f"| {path.name}:{node.lineno} | `{kind} {node.name}` | {doc} |")
     _markdown("\n".join(rows))
 
 

@@ -12,13 +12,13 @@ the fault battery, and for the READMEs' other forms.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
@@ -36,6 +36,7 @@ from tour import (  # noqa: E402
     Step,
     clean_env,
     free_port,
+    import_script,
     load_run,
     load_stage,
     max_abs_diff,
@@ -52,11 +53,14 @@ from tour import (  # noqa: E402
 )
 
 STAGES = sorted(p.parent.name for p in ROOT.glob("[0-9][0-9]_*/train.py"))
+# The GPT stages: each a folder of files by concern (model.py, dataset.py, ... train.py) that import each other.
+FOLDER_STAGES = sorted(p.parent.name for p in ROOT.glob("[0-9][0-9]_*/model.py"))
 # recipes/<name>/train.py: stage 04 with one everyday technique added (recipes/README.md).
 RECIPES = sorted(f"recipes/{p.parent.name}" for p in ROOT.glob("recipes/*/train.py"))
-__all__ = ["ROOT", "RECIPES", "STAGES", "TORCHRUN", "Fault", "Job", "Run", "Step", "assert_same_training", "check",
-           "clean_env", "free_port", "gradient_bytes", "group_of_one", "launch", "launch_commands", "load_copy",
-           "load_run", "load_stage", "max_abs_diff", "max_gap", "mutate", "plan", "replay_error", "restore_state",
+__all__ = ["ROOT", "FOLDER_STAGES", "RECIPES", "STAGES", "TORCHRUN", "Fault", "Job", "Run", "Step",
+           "assert_same_training", "check", "clean_env", "free_port", "gradient_bytes", "group_of_one", "launch",
+           "launch_commands", "load_copy", "load_run", "load_stage", "max_abs_diff", "max_gap", "mutate", "mutated",
+           "plan", "replay_error", "restore_state", "run_chains",
            "run_command", "run_job", "run_slurm_command", "selected", "slurm_missing", "state_gap", "tolerance",
            "with_args", "with_batch", "workers"]
 
@@ -245,19 +249,29 @@ def edited(path: Path, edits: list[tuple[str, str]]) -> str:
 
 
 def mutate(stage: str, old: str, new: str, dest: Path) -> Path:
-    """Copy a stage's script with one edit (the stages are self-contained, so the copy runs anywhere)."""
+    """Copy a stage's script with one edit (the stages are self-contained, so the copy runs anywhere); the copy's
+    train.py. A GPT stage is a folder of files: all are copied, and the one that holds `old` is edited."""
+    return mutated(stage, [(old, new)], dest)
+
+
+def mutated(stage: str, edits: list[tuple[str, str]], dest: Path) -> Path:
+    """mutate() with several edits, each made in the one file of the stage that holds its `old`."""
     dest.mkdir(parents=True, exist_ok=True)
-    path = dest / "train.py"
-    path.write_text(edited(ROOT / stage / "train.py", [(old, new)]))
-    return path
+    files = sorted((ROOT / stage).glob("*.py")) if stage in FOLDER_STAGES else [ROOT / stage / "train.py"]
+    mine: dict[Path, list[tuple[str, str]]] = {f: [] for f in files}
+    for old, new in edits:
+        holding = [f for f in files if old in f.read_text()]
+        assert len(holding) == 1, f"{stage}: expected one file holding {old!r}, found {[f.name for f in holding]}"
+        mine[holding[0]].append((old, new))
+    for f in files:
+        (dest / f.name).write_text(edited(f, mine[f]))
+    return dest / "train.py"
 
 
 def load_copy(path: Path) -> ModuleType:
-    """Import a copy made by mutate() as a module of its own (load_stage imports the repository's scripts)."""
-    spec = importlib.util.spec_from_file_location(f"copy_{path.parent.name}_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """Import a copy made by mutate(), or a script, as a module of its own (load_stage imports the repository's
+    stages, once), with the files beside it that it imports (tour.import_script)."""
+    return import_script(path, f"copy_{path.parent.name}_{abs(hash(path))}")
 
 
 @contextlib.contextmanager
@@ -283,7 +297,7 @@ def gradient_bytes(dtype: str = "float64") -> int:
 # start-ups of a trivial launch (PROBE, what a program pays at least) for every process the case runs (`programs`: each
 # rank one, torchrun's agent one, each restart's ranks again; on these cores N ranks cost about N times one, and their
 # epochs and steps are the tutorial's small ones; a case that does much more, a compile, counts more and says why).
-# Measured, a process took mostly 1-4 start-ups, at most 7.7 (test_context_parallel's 4 ranks beside its 16): 25
+# Measured, a process took mostly 1-4 start-ups, at most 7.7 (when one module ran 4 ranks beside 16): 25
 # leaves three times the most. The start-up is timed as the tests run (run_job, as their jobs), so as slow as the
 # machine is then; a timing younger than PROBE_REUSE seconds serves every limit (a probe costs ~2.6 CPU-s). A 1.7 times
 # slower or busier machine gets limits in proportion, and a hang is still ended: in about 2 minutes for a 2-rank job
@@ -315,6 +329,26 @@ class Limit(float):
         limit = super().__new__(cls, seconds)
         limit.how = how
         return limit
+
+
+def run_chains(chains: dict[str, list[Step]], tmp: Path, names: dict[str, list[str]] | None = None,
+               scripts: dict[str, Path] | None = None, weights: dict[str, int] | None = None) -> dict[str, Run]:
+    """A test module's runs: each chain's steps one after another (a resumed run after the one it resumes), two
+    chains at a time (independent ones side by side: put the longest first, so that the others fill in beside it).
+    Each run by its name (`names[chain]`, else the chain's own), its --out tmp/name, checked; `scripts[chain]`: a
+    mutated copy to run instead; `weights[chain]`: programs each process counts as in its time limit (a compiling
+    run, 3)."""
+    names, scripts, weights = names or {}, scripts or {}, weights or {}
+
+    def run_chain(chain: str) -> list[Run]:
+        return [check(launch(s, out=tmp / names.get(chain, [chain])[i], script=scripts.get(chain),
+                             timeout=time_limit(programs=s.nproc * weights.get(chain, 1))))
+                for i, s in enumerate(chains[chain])]
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        finished = dict(zip(chains, pool.map(run_chain, chains), strict=True))
+    return {name: run for chain, done in finished.items()
+            for name, run in zip(names.get(chain, [chain]), done, strict=True)}
 
 
 def time_limit(programs: int = 1, waits: float = 0.0) -> Limit:

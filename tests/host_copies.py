@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import types
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,7 +35,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from harness import ROOT, edited
+from harness import load_copy, mutated
 
 SIZES = {"layers": 2, "heads": 2, "width": 16, "context": 16}  # a window of 16 tokens: 8 per cp rank
 BATCH, CP = 2, 2
@@ -41,7 +43,7 @@ POSITIONS = "where = torch.arange(t, device=x.device) if self.cp is None else se
 MASK = "return torch.ones(rows, before + rows, dtype=torch.bool, device=device).tril(before)"
 CACHE = "@functools.cache\ndef causal_mask("
 CASES = ["11", "12 ring zigzag", "12 ring contiguous", "12 allgather zigzag", "12 allgather contiguous"]
-PLANTED = {  # name: the edits of 12_context_parallel/train.py (old, new)
+PLANTED = {  # name: the edits of 12_context_parallel's files (old, new)
     "positions from the host": [(POSITIONS, "where = (torch.arange(t) if self.cp is None else "
                                             "self.cp.positions(t, 'cpu')).to(x.device)")],
     "mask from the host, every layer": [(MASK, "return torch.ones(rows, before + rows, dtype=torch.bool)"
@@ -72,12 +74,11 @@ class HostTensors(TorchDispatchMode):
 
 
 def load(stage: str, edits: list[tuple[str, str]] = ()) -> types.ModuleType:
-    """A stage's train.py as a fresh module, with `edits` made to its source."""
-    path = ROOT / stage / "train.py"
-    module = types.ModuleType(f"host_copies_{stage}")
-    module.__file__ = str(path)
-    exec(compile(edited(path, edits), str(path), "exec"), module.__dict__)
-    return module
+    """A stage's train.py as a fresh module, with `edits` made to its files (a copy of them, in a folder of its own)."""
+    return load_copy(mutated(stage, list(edits), Path(tempfile.mkdtemp(dir=WORK.name))))
+
+
+WORK = tempfile.TemporaryDirectory(prefix="host_copies_")  # the copies load() makes: removed as the process ends
 
 
 def steps(module: types.ModuleType, device: torch.device, impl: str | None, zigzag: bool) -> list[dict]:
@@ -90,7 +91,7 @@ def steps(module: types.ModuleType, device: torch.device, impl: str | None, zigz
     t = cfg.context
     if impl is not None:  # what 12's parallelize() does for --cp
         model.cp = cp = module.ContextParallel(dist.group.WORLD, impl, zigzag)
-        for block in model.blocks.values():
+        for block in model.blocks:
             block.attn.cp = cp
         t //= CP
     x, y = (torch.randint(0, cfg.vocab, (BATCH, t), device=device) for _ in range(2))

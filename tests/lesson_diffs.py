@@ -1,7 +1,7 @@
-"""Each stage's README shows its train.py as a diff from the stage it extends, so a reader sees what changed
-without running `diff`; ddp_by_hand's README shows its two scripts so (FILE_DIFFS). test_repo.py and
-test_ddp_by_hand.py check that every such block is the diff of today's files; `python tests/lesson_diffs.py` writes
-them anew after a change.
+"""Each stage's README shows its train.py as a diff from the stage it extends, so a reader sees what changed without
+running `diff` (a GPT stage, a folder of files: the files it changes, each as a diff); ddp_by_hand's README shows
+its two scripts so (FILE_DIFFS). test_repo.py and test_ddp_by_hand.py check that every such block is the diff of
+today's files; `python tests/lesson_diffs.py` writes them anew after a change.
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # The stage each one extends: 08 builds on 06 (torchrun, snapshots), not on 07's split over two devices; 10 on 05
 # (torchrun, the layout), taking 07's idea, the split between layers, across processes (without 06's snapshots).
 # 11_gpt has none: it rewrites the model and the data, and a diff of the whole lesson would teach nothing. 12 adds
-# context parallelism to 11's GPT.
+# context parallelism to 11's GPT, 13 pipelining to 12's.
 EXTENDS = {"02_dataparallel": "01_single_gpu", "03_ddp_spawn": "02_dataparallel", "04_ddp_torchrun": "03_ddp_spawn",
            "05_multinode": "04_ddp_torchrun", "06_checkpoint": "05_multinode", "07_model_parallel": "06_checkpoint",
            "08_fsdp": "06_checkpoint", "09_tensor_parallel": "08_fsdp", "10_pipeline_parallel": "05_multinode",
-           "12_context_parallel": "11_gpt"}
+           "12_context_parallel": "11_gpt", "13_pipeline_4d": "12_context_parallel"}
 START, END = "<!-- diff from the stage it extends: written by tests/lesson_diffs.py -->", "<!-- /diff -->"
 BLOCK = re.compile(re.escape(START) + r"\n(.*?)\n" + re.escape(END), re.S)
 # Other READMEs' diffs of two files, each block after the line `<!-- diff OLD NEW -->`: {README: [(OLD, NEW), ...]}
@@ -41,9 +41,29 @@ def own_checks(stage: str) -> list[str]:
     return re.findall(r"^(?:def|class) (\w+)", own, re.M)
 
 
+def folder_diff(stage: str, before: str) -> str:
+    """A GPT stage's section: the folder against the one it extends, file by file. A file the stage adds is linked
+    (read whole), a file it copies unchanged named (test_repo checks it is a copy), the others diffed."""
+    names = sorted(p.name for p in (ROOT / stage).glob("*.py"))
+    new = [n for n in names if not (ROOT / before / n).exists()]
+    same = [n for n in names if n not in new and (ROOT / before / n).read_bytes() == (ROOT / stage / n).read_bytes()]
+    changed = [n for n in names if n not in new and n not in same]
+    lines = [line for n in changed for line in difflib.unified_diff(
+        (ROOT / before / n).read_text().splitlines(), (ROOT / stage / n).read_text().splitlines(),
+        f"{before}/{n}", f"{stage}/{n}", n=1, lineterm="")]
+    added = sum(line.startswith("+") and not line.startswith("+++") for line in lines)
+    removed = sum(line.startswith("-") and not line.startswith("---") for line in lines)
+    return (f"`{stage}/` against `{before}/`, the stage it extends. New, to read whole: "
+            + ", ".join(f"[`{n}`]({n})" for n in new) + ". Copied unchanged: " + ", ".join(f"`{n}`" for n in same)
+            + f". Changed ({added} lines added, {removed} removed): " + ", ".join(f"`{n}`" for n in changed)
+            + ":\n\n```diff\n" + "\n".join(lines) + "\n```")
+
+
 def diff(stage: str) -> str:
     """The README's section: `diff -u` of the two lessons (the files above the boundary), one line of context."""
     before = EXTENDS[stage]
+    if (ROOT / stage / "model.py").exists():  # a GPT stage: a folder of files
+        return folder_diff(stage, before)
     lines = list(difflib.unified_diff(lesson(before).splitlines(), lesson(stage).splitlines(),
                                       f"{before}/train.py", f"{stage}/train.py", n=1, lineterm=""))
     added = sum(line.startswith("+") and not line.startswith("+++") for line in lines)

@@ -1,9 +1,9 @@
-"""Stage 12: the GPT with every sequence split over cp processes, its blocks over pp pipeline stages, computes one
-process's training on every layout it combines them with (DDP and FSDP2 over dp x cp, tp, accumulation, both
-attentions, both splits, both pipeline schedules, all four of dp x pp x cp x tp at once), resumes a checkpoint on
-another layout, and refuses bad combinations in one line.
+"""Stage 12: the GPT with every sequence split over cp processes computes one process's training on every layout it
+combines cp with (DDP and FSDP2 over dp x cp, tp, accumulation, both attentions, both splits), resumes a checkpoint on
+another layout, and refuses bad combinations in one line. (The pipeline, and all four dimensions at once, are stage
+13's: tests/test_pipeline_4d.py.)
 
-Ten launches of a tiny model (2 blocks, 2 heads, width 32, context 24: it splits into 2 cp chunks of 2, 3 or 4
+Six launches of a tiny model (2 blocks, 2 heads, width 32, context 24: it splits into 2 cp chunks of 2, 3 or 4
 ranks), float64, at a seed drawn for the session (hidden from the code under test; printed with every failure):
 
     one      python, batch 4, 8 steps, a checkpoint every 4 (its trajectory: the state at 0, 4, 8): the reference
@@ -12,10 +12,6 @@ ranks), float64, at a seed drawn for the session (hidden from the code under tes
     tpcp     torchrun 4: cp 2 x tp 2, the all-gather attention, contiguous split, resumed from dpcp's checkpoint to 8
     cp3      torchrun 3: cp 3, batch 2 x --accumulate 2, 4 steps (--decay-steps 8)
     broken   cp2's command on a copy of the stage whose ring stops one hop short: the control of cp2's check
-    pp2      torchrun 2: pp 2 alone, 1F1B, 4 micro-batches of 1, 8 steps
-    dppp     torchrun 4: dp 2 x pp 2, GPipe, 2 micro-batches of 1, 4 steps (--decay-steps 8)
-    full     torchrun 16: dp 2 x pp 2 x cp 2 x tp 2, 1F1B, 2 micro-batches of 1, resumed from dppp's checkpoint to 8
-    ppclip   pp2's command on a copy whose gradient norm leaves out the other stage's blocks: pp2's control
 
 States (weights, both AdamW moments), per-step losses and gradient norms are compared with test_gpt.gaps, within
 sqrt(eps) of float64. The ring itself, at cp 2, 3 and 4 against full attention, is tests/test_ring_attention.py's.
@@ -25,18 +21,18 @@ from __future__ import annotations
 
 import os
 import random
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from harness import ROOT, Run, Step, check, launch, mutate, time_limit, tolerance
+from harness import ROOT, Run, Step, mutate, run_chains, tolerance
 from test_gpt import gaps, refusal
 
 STAGE = "12_context_parallel"
 TOL = tolerance("float64")
 DATA = ROOT / "11_gpt" / "data" / "input.txt"
-# The same for every run of the session (they must agree with each other); every failure names it, and
-# CONTEXT_PARALLEL_SEED=<seed> pytest tests/test_context_parallel.py reruns it.
+# The same for every run of the session (they must agree with each other; tests/test_pipeline_4d.py's runs use it
+# too); every failure names it, and CONTEXT_PARALLEL_SEED=<seed> pytest tests/test_context_parallel.py (or
+# tests/test_pipeline_4d.py) reruns it.
 SEED = int(os.environ.get("CONTEXT_PARALLEL_SEED") or random.randrange(10_000))
 TINY = ("--layers", "2", "--heads", "2", "--width", "32", "--context", "24", "--dtype", "float64", "--device", "cpu",
         "--eval-every", "4", "--save-every", "4", "--sample", "30", "--lr", "0.01", "--warmup-steps", "2",
@@ -44,13 +40,12 @@ TINY = ("--layers", "2", "--heads", "2", "--width", "32", "--context", "24", "--
 # The ring's loop in the forward: one hop short, the last rank's keys never reach this one.
 RING = "        for step in range(cp):\n            origin = (rank - step) % cp  # the rank whose keys"
 SHORT = RING.replace("range(cp)", "range(cp - 1)")
-# The gradient norm over the pipeline: without its all_reduce, each stage clips by the norm of its own blocks.
-PP_NORM = "    if pipe.size > 1:\n        dist.all_reduce(total, group=pipe.group)\n"
 
 
 def compare(label: str, run: Run, one: Run) -> tuple[float, list[int]]:
-    """(the largest gap from one process, the steps both recorded); prints the row of 12's README table: the steps,
-    then the largest |difference| of the state, of the per-step losses, of the gradient norms."""
+    """(the largest gap from one process, the steps both recorded); prints the row of the stage's README table (12's,
+    or 13's for tests/test_pipeline_4d.py): the steps, then the largest |difference| of the state, of the per-step
+    losses, of the gradient norms."""
     found, shared = gaps(run, one)
     print(f"\n| {label} | {', '.join(map(str, shared))} | {found['state']:.1e} | {found['losses']:.1e} | "
           f"{found['grad_norms']:.1e} |  (seed {SEED})")
@@ -62,7 +57,7 @@ def step(nproc: int, *args: str) -> Step:
 
 
 CP2 = ("--cp", "2", "--batch-size", "4", "--max-steps", "8")
-PP2 = ("--pp", "2", "--parallel", "fsdp", "--batch-size", "1", "--accumulate", "4", "--max-steps", "8")
+ONE = ("--batch-size", "4", "--max-steps", "8")  # the reference: the state at 0, 4 and 8 (a checkpoint every 4)
 
 
 @pytest.fixture(scope="module")
@@ -70,37 +65,18 @@ def runs(tmp_path_factory) -> dict[str, Run]:
     tmp = tmp_path_factory.mktemp("cp")
     print(f"seed {SEED}: CONTEXT_PARALLEL_SEED={SEED} reruns it")  # shown with any failure of the tests below
     broken = mutate(STAGE, RING, SHORT, tmp / "broken_stage")
-    ppclip = mutate(STAGE, PP_NORM, "", tmp / "ppclip_stage")
-    chains = {  # the 16- and 4-process ones first, so that the smaller ones fill in beside them
-        "dppp": [step(4, "--pp", "2", "--pp-schedule", "gpipe", "--parallel", "fsdp", "--batch-size", "1",
-                      "--accumulate", "2", "--max-steps", "4", "--decay-steps", "8",
-                      "--snapshot", str(tmp / "ck_dppp")),
-                 step(16, "--pp", "2", "--tp", "2", "--cp", "2", "--parallel", "fsdp", "--batch-size", "1",
-                      "--accumulate", "2", "--max-steps", "8", "--snapshot", str(tmp / "ck_dppp"))],
+    chains = {  # the 4-process ones first, so that the smaller ones fill in beside them
         "dpcp": [step(4, "--cp", "2", "--parallel", "fsdp", "--batch-size", "2", "--max-steps", "4",
                       "--decay-steps", "8", "--snapshot", str(tmp / "ck_dpcp")),
                  step(4, "--cp", "2", "--tp", "2", "--parallel", "fsdp", "--cp-impl", "allgather", "--no-zigzag",
                       "--batch-size", "4", "--max-steps", "8", "--snapshot", str(tmp / "ck_dpcp"))],
-        "one": [step(1, "--batch-size", "4", "--max-steps", "8", "--snapshot", str(tmp / "ck_one"))],
+        "one": [step(1, *ONE, "--snapshot", str(tmp / "ck_one"))],
         "cp2": [step(2, *CP2, "--snapshot", str(tmp / "ck_cp2"))],
         "cp3": [step(3, "--cp", "3", "--batch-size", "2", "--accumulate", "2", "--max-steps", "4", "--decay-steps", "8",
                      "--snapshot", str(tmp / "ck_cp3"))],
         "broken": [step(2, *CP2, "--snapshot", str(tmp / "ck_broken"))],
-        "pp2": [step(2, *PP2, "--snapshot", str(tmp / "ck_pp2"))],
-        "ppclip": [step(2, *PP2, "--snapshot", str(tmp / "ck_ppclip"))],
     }
-    names = {"dpcp": ["dpcp", "tpcp"], "dppp": ["dppp", "full"]}
-    copies = {"broken": broken, "ppclip": ppclip}
-
-    def run_chain(chain: str) -> list[Run]:
-        return [check(launch(s, out=tmp / names.get(chain, [chain])[i], script=copies.get(chain),
-                             timeout=time_limit(programs=s.nproc)))
-                for i, s in enumerate(chains[chain])]
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        finished = dict(zip(chains, pool.map(run_chain, chains), strict=True))
-    return {name: run for chain, done in finished.items() for name, run in zip(names.get(chain, [chain]), done,
-                                                                                 strict=True)}
+    return run_chains(chains, tmp, names={"dpcp": ["dpcp", "tpcp"]}, scripts={"broken": broken})
 
 
 def equals_one_process(run: Run, one: Run, steps: list[int], layout: str) -> None:
@@ -152,44 +128,9 @@ def test_a_ring_one_hop_short_is_caught(runs):
     assert worst > 1e3 * TOL, f"the broken copy is within {worst:.2e} of one process (seed {SEED})"
 
 
-def test_two_pipeline_stages_are_one_process(runs):
-    """pp 2 alone under 1F1B (4 micro-batches a step, each through stage 0's block and then stage 1's): every state,
-    loss and gradient norm, the held-out loss and the sample (both computed through the stages by hand) equal one
-    process's."""
-    run, one = runs["pp2"], runs["one"]
-    s = run.summary
-    assert (s["world_size"], s["dp"], s["pp"], s["pp_schedule"], s["accumulate"]) == (2, 1, 2, "1f1b", 4), s
-    assert "world size 2 = dp 1 x pp 2 (1f1b, 4 micro-batches) x cp 1 x tp 1" in run.stdout, run.stdout
-    equals_one_process(run, one, [0, 4, 8], "pp 2, 1F1B, 4 micro-batches of 1 (FSDP2 over a dp of 1)")
-
-
-def test_dp_and_pp_then_all_four_resumed_are_one_process(runs):
-    """dp 2 x pp 2 under GPipe, to step 4; its checkpoint (written by two stages, each its own blocks) resumed by all
-    four of dp 2 x pp 2 x cp 2 x tp 2 at once on 16 processes under 1F1B, to step 8: the reference's states at 0, 4
-    and 8."""
-    dppp, full, one = runs["dppp"], runs["full"], runs["one"]
-    assert (dppp.summary["dp"], dppp.summary["pp"], dppp.summary["pp_schedule"]) == (2, 2, "gpipe")
-    worst, shared = compare("dp 2 × pp 2, GPipe, 2 micro-batches of 1", dppp, one)
-    assert shared == [0, 4] and worst <= TOL, f"dp 2 x pp 2 vs one process (seed {SEED}): {worst:.2e}"
-    s = full.summary
-    assert (s["world_size"], s["dp"], s["pp"], s["tp"], s["cp"], s["resumed_at"]) == (16, 2, 2, 2, 2, 4), s
-    assert "world size 16 = dp 2 x pp 2 (1f1b, 2 micro-batches) x cp 2 (ring, zigzag) x tp 2" in full.stdout
-    assert "(written by 4 ranks) at step 4" in full.stdout, full.stdout
-    equals_one_process(full, one, [4, 8], "**dp 2 × pp 2 × cp 2 × tp 2** on 16 processes, 1F1B, 2 micro-batches "
-                       "of 1, resumed from the run above's checkpoint")
-
-
-def test_a_gradient_norm_of_one_stage_is_caught(runs):
-    """The control of pp2's check: the same command on a copy whose gradient norm is each stage's own (no all_reduce
-    over the pipeline), so each clips by another norm. It trains without an error, and is far from one process."""
-    worst, _ = compare("**negative control**: pp 2 with each stage clipping by its own blocks' gradient norm",
-                       runs["ppclip"], runs["one"])
-    assert worst > 1e3 * TOL, f"the copy is within {worst:.2e} of one process (seed {SEED})"
-
-
 def test_bad_combinations_are_one_line_and_exit_2():
-    """What must divide what (pp x cp x tp the world, 2 cp the context; pp at most the blocks and, under 1F1B, the
-    micro-batches), compile with cp, pp without FSDP2; and the controls accepted."""
+    """What must divide what (cp x tp the world, 2 cp the context, or cp alone without the zigzag), compile with cp,
+    an attention there is not; and the controls accepted. (The pipeline's: tests/test_pipeline_4d.py.)"""
     cases = [
         (["--cp", "3"], {"WORLD_SIZE": "4"}, "--cp: 3 x --tp 1 does not divide the world size 4"),
         (["--cp", "2", "--tp", "2", "--parallel", "fsdp"], {"WORLD_SIZE": "2"},
@@ -198,12 +139,6 @@ def test_bad_combinations_are_one_line_and_exit_2():
         (["--cp", "4", "--context", "26", "--no-zigzag"], {"WORLD_SIZE": "4"}, "--context: 26 is not a multiple of 4"),
         (["--cp", "2", "--compile"], {"WORLD_SIZE": "2"}, "--compile: the ring's sends"),
         (["--cp-impl", "torch"], {}, "--cp-impl: invalid choice"),
-        (["--pp", "2"], {"WORLD_SIZE": "2"}, "--pp: pipelining is combined with FSDP2"),
-        (["--pp", "3", "--parallel", "fsdp", "--accumulate", "3"], {"WORLD_SIZE": "4"},
-         "--pp: 3 x --cp 1 x --tp 1 does not divide the world size 4"),
-        (["--pp", "4", "--parallel", "fsdp", "--accumulate", "4", "--layers", "3"], {"WORLD_SIZE": "4"},
-         "--pp: 4 stages need at least 4 blocks"),
-        (["--pp", "2", "--parallel", "fsdp"], {"WORLD_SIZE": "2"}, "--accumulate: 1F1B needs at least one"),
     ]
     for args, env, message in cases:
         code, err = refusal(args, env, STAGE)
@@ -213,7 +148,3 @@ def test_bad_combinations_are_one_line_and_exit_2():
     assert refusal(["--cp", "4", "--context", "24"], {"WORLD_SIZE": "8"}, STAGE)[0] == "accepted"  # dp 2 x cp 4
     assert refusal(["--cp", "2", "--tp", "2", "--parallel", "fsdp"], {"WORLD_SIZE": "4"}, STAGE)[0] == "accepted"
     assert refusal(["--cp", "4", "--context", "28", "--no-zigzag"], {"WORLD_SIZE": "4"}, STAGE)[0] == "accepted"
-    assert refusal(["--pp", "2", "--parallel", "fsdp", "--pp-schedule", "gpipe"], {"WORLD_SIZE": "2"},
-                   STAGE)[0] == "accepted"  # GPipe runs with fewer micro-batches than stages
-    assert refusal(["--pp", "2", "--tp", "2", "--cp", "2", "--parallel", "fsdp", "--accumulate", "2"],
-                   {"WORLD_SIZE": "8"}, STAGE)[0] == "accepted"

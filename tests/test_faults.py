@@ -97,13 +97,14 @@ CP_STAGE = "12_context_parallel"
 # values inside every block's forward and backward (P2P on the cp group, not a collective of the world's).
 CP_FAULT = Step(CP_STAGE, "torchrun", (*GPT_FAULT.args, "--cp", "2"), nproc=2)
 GPT_FAULTS = {GPT_STAGE: GPT_FAULT, CP_STAGE: CP_FAULT}  # the job each GPT stage is killed or stalled in
-# Stage 12 as pp 2 alone, stalled apart from cp: rank 1 is the second pipeline stage, and rank 0's one wait on it is
+PP_STAGE = "13_pipeline_4d"  # 12 with pp: its cp stalls and dies as 12's does (the same code), its pipeline is new
+# Stage 13 as pp 2 alone, stalled apart from cp: rank 1 is the second pipeline stage, and rank 0's one wait on it is
 # a receive on the pp group (make_mesh's; with cp too, the cp group's timeout would end the job first).
-PP_FAULT = Step(CP_STAGE, "torchrun", (*GPT_FAULT.args, "--layers", "2", "--pp", "2", "--parallel", "fsdp",
+PP_FAULT = Step(PP_STAGE, "torchrun", (*GPT_FAULT.args, "--layers", "2", "--pp", "2", "--parallel", "fsdp",
                                        "--accumulate", "2"), nproc=2)
 GPT_FAULT_AFTER = {"after": "| train loss", "longer": ()}  # signalled() after its first step's line
 TIMEOUT = 5  # --timeout in the stall cases: how long the healthy ranks wait for the stalled one
-# 12-stalled-stage's: --timeout also bounds the start-up's store waits, and the (pp, dp x cp, tp) grid's groups once
+# 13-stalled-stage's: --timeout also bounds the start-up's store waits, and the (pp, dp x cp, tp) grid's groups once
 # took longer than 5 s to make under CI's load (1 of 3 runs).
 PP_TIMEOUT = 20
 RENDEZVOUS_TIMEOUT = 10  # how long the lone node's agent waits for the other node
@@ -498,7 +499,7 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
     if stage == "10_pipeline_parallel":  # alone, a world of 1 has one stage; 65 micro-batches of 64 leave one empty
         table |= {("--pp", "0"): "--pp", ("--pp", "2"): "--pp", ("--microbatches", "0"): "--microbatches",
                   ("--microbatches", "65"): "--microbatches", ("--schedule", "zb"): "--schedule"}
-    if stage in ("11_gpt", "12_context_parallel"):  # a GPT on a text: --max-steps (no --epochs); its shape, the text
+    if stage in ("11_gpt", CP_STAGE, PP_STAGE):  # a GPT on a text: --max-steps (no --epochs); its shape, the text
         del table[("--epochs", "-1")]
         table |= {("--max-steps", "0"): "--max-steps", ("--save-every", "0"): "--save-every",
                   ("--snapshot", "{file}"): "--snapshot", ("--snapshot", "{file}/ck"): "--snapshot",
@@ -514,10 +515,11 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
                   ("--sample", "x"): "--sample", ("--clip", "-1"): "--clip", ("--warmup-steps", "0"): "--warmup-steps",
                   ("--decay-steps", "0"): "--decay-steps",
                   ("--warmup-steps", "20", "--max-steps", "10"): "--warmup-steps"}  # a warm-up past the decay's end
-    if stage == "12_context_parallel":  # alone, a world of 1: only --cp 1 divides it
+    if stage in (CP_STAGE, PP_STAGE):  # alone, a world of 1: only --cp 1 divides it
         table |= {("--cp", "0"): "--cp", ("--cp", "x"): "--cp", ("--cp", "2"): "--cp",
-                  ("--cp-impl", "torch"): "--cp-impl", ("--no-zigzag=1",): "--no-zigzag",
-                  ("--pp", "0"): "--pp", ("--pp", "2"): "--pp", ("--pp-schedule", "zb"): "--pp-schedule"}
+                  ("--cp-impl", "torch"): "--cp-impl", ("--no-zigzag=1",): "--no-zigzag"}
+    if stage == PP_STAGE:  # and only --pp 1
+        table |= {("--pp", "0"): "--pp", ("--pp", "2"): "--pp", ("--pp-schedule", "zb"): "--pp-schedule"}
     return table
 
 
@@ -629,8 +631,9 @@ TYPO = ("--batchsize", "32")  # a misspelt flag: argparse's own error, also rais
 # inside autograd's hooks, one for the pipeline (10), whose stages wait for each other in send/recv, not in collectives,
 # and the GPT (11), whose DDP or FSDP model and loss all-reduce run in a loop of steps, not epochs, and the GPT split
 # over cp (12), whose ranks wait for each other's keys and values in the ring's sends and receives on the cp group; and
-# 12 again with two pipeline stages (12-stalled-stage), which wait on each other in the schedule's sends and receives on
-# the pp group.
+# the GPT with two pipeline stages (13-stalled-stage), which wait on each other in the schedule's sends and receives on
+# the pp group. (13's cp is 12's code, and its snapshots 12's too (test_repo.SHARED_SNAPSHOT_CODE): its stall of the
+# ring, its killed rank and its snapshot cases would repeat 12's and 11's.)
 # 06 and 07 meet a stall as 04 does: the same torchrun agent, and the collective's timeout caught in main() by
 # explain_peer_failure, word for word 04's (test_repo.py's contract test). They differ from 04 only in the store
 # ddp_setup passes (used while joining, before any stall) and in the barrier after a snapshot, one more
@@ -663,8 +666,8 @@ def cases() -> list[Case]:
                  RENDEZVOUS_TIMEOUT, "1/2 clients joined", lone_node("static"), at_least=RENDEZVOUS_TIMEOUT),
             Case("05-node-never-joins-c10d", "05_multinode", "node 0 of 2 started alone (c10d)", None,
                  RENDEZVOUS_TIMEOUT, "RendezvousTimeoutError", lone_node("c10d"), at_least=RENDEZVOUS_TIMEOUT)]
-    out.append(stalled("12-stalled-stage", CP_STAGE, "SIGSTOP to pipeline stage 1 after its first log line", PP_FAULT,
-                       PP_TIMEOUT, tag="-pp", **GPT_FAULT_AFTER))
+    out.append(stalled(f"{PP_STAGE[:2]}-stalled-stage", PP_STAGE, "SIGSTOP to pipeline stage 1 after its first log "
+                       "line", PP_FAULT, PP_TIMEOUT, **GPT_FAULT_AFTER))
     for stage in [*DDP_STAGES, *GPT_FAULTS]:  # nothing waits: the healthy ranks see a closed connection at once
         out.append(Case(f"{stage[:2]}-killed-rank", stage, "SIGKILL to rank 1 after its first log line", None, 0,
                         "SIGKILL", signalled(stage, signal.SIGKILL, step=GPT_FAULTS.get(stage),
@@ -1124,9 +1127,10 @@ def test_every_flag_of_every_script_has_a_bad_value_case():
     ("01_single_gpu", "1.13.1", True), ("07_model_parallel", "2.0.0", False), ("08_fsdp", "2.5.1", True),
     ("09_tensor_parallel", "2.5.1", True), ("09_tensor_parallel", "2.6.0", False),
     ("10_pipeline_parallel", "2.5.1", True), ("11_gpt", "2.5.1", True), ("12_context_parallel", "2.5.1", True),
+    ("13_pipeline_4d", "2.5.1", True),
     ("ddp_by_hand/bucketed", "2.0.1", True), ("ddp_by_hand/bucketed", "2.1.0", False)])
 def test_a_torch_older_than_the_script_needs_is_refused_in_one_line(script, version, refused, monkeypatch, capsys):
-    """Each script needs the torch of NEEDS_TORCH (one table, in the shared block): 08-11 need 2.6 and check it at
+    """Each script needs the torch of NEEDS_TORCH (one table, in the shared block): 08-13 need 2.6 and check it at
     the top of the file, since an older torch would fail on their imports in a traceback; the rest in check_args.
     The minimum itself is accepted."""
     from torch.torch_version import TorchVersion

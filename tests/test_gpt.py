@@ -36,7 +36,6 @@ import math
 import os
 import re
 import statistics
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from unittest import mock
 
@@ -45,7 +44,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import readme_run
-from harness import ROOT, Run, Step, check, clean_env, group_of_one, launch, load_stage, mutate, time_limit, tolerance
+from harness import ROOT, Run, Step, clean_env, group_of_one, load_stage, mutate, run_chains, tolerance
 from readme_blocks import BLOCKS
 
 STAGE = "11_gpt"
@@ -71,8 +70,9 @@ DDP_ARGS = ("--batch-size", "1", "--accumulate", "2", "--max-steps", "12", "--da
 def runs(tmp_path_factory) -> dict[str, Run]:
     """The nine runs, two at a time (independent ones side by side; a resumed run after the one it resumes)."""
     tmp = tmp_path_factory.mktemp("gpt")
-    broken = mutate(STAGE, CAUSAL, CAUSAL.replace("is_causal=True", 'is_causal=os.environ.get("RANK") != "1"'),
-                    tmp / "broken_stage")
+    # (model.py imports no os: the planted line brings its own)
+    broken = mutate(STAGE, CAUSAL, CAUSAL.replace("is_causal=True", 'is_causal=__import__("os").environ.get("RANK") '
+                                                                    '!= "1"'), tmp / "broken_stage")
     chains = {  # the compiled run first: the longest (compiling), so that the others fill in beside it
         "compiled": [step("python", "--compile", "--batch-size", "4", "--max-steps", "3")],
         "one": [step("python", "--batch-size", "4", "--max-steps", "12", "--snapshot", str(tmp / "ck_one"))],
@@ -87,23 +87,10 @@ def runs(tmp_path_factory) -> dict[str, Run]:
         "broken": [step("torchrun", *DDP_ARGS, "--snapshot", str(tmp / "ck_broken"), nproc=2)],
         "bf16": [step("python", "--dtype", "float32", "--amp", "bf16", "--batch-size", "4", "--max-steps", "3")],
     }
-    names = {"half": ["half", "resumed"], "fsdp": ["fsdp", "tp"]}
-
-    def run_chain(chain: str) -> list[Run]:
-        done = []
-        for i, s in enumerate(chains[chain]):
-            name = names.get(chain, [chain])[i]
-            script = broken if chain == "broken" else None
-            # Compiling counts as 3 processes: with inductor's cache empty it took 14-19 start-ups here (92 s with a
-            # start-up of 6.7 s, 74 s with 3.8 s), a tiny run about 2.
-            programs = s.nproc * (3 if chain == "compiled" else 1)
-            done.append(check(launch(s, out=tmp / name, script=script, timeout=time_limit(programs=programs))))
-        return done
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        finished = dict(zip(chains, pool.map(run_chain, chains), strict=True))
-    return {name: run for chain, done in finished.items() for name, run in zip(names.get(chain, [chain]), done,
-                                                                                 strict=True)}
+    # Compiling counts as 3 processes: with inductor's cache empty it took 14-19 start-ups here (92 s with a start-up
+    # of 6.7 s, 74 s with 3.8 s), a tiny run about 2.
+    return run_chains(chains, tmp, names={"half": ["half", "resumed"], "fsdp": ["fsdp", "tp"]},
+                      scripts={"broken": broken}, weights={"compiled": 3})
 
 
 def gap(a: dict, b: dict) -> float:
@@ -449,9 +436,9 @@ def test_bf16_with_fsdp_computes_with_bfloat16_weights_and_steps_float32_shards(
     assert seen[None] == ({torch.float32}, {torch.float32}, {torch.float32}, {torch.float32}), seen
 
 
-@pytest.mark.parametrize("stage", ["10_pipeline_parallel", STAGE, "12_context_parallel"])
+@pytest.mark.parametrize("stage", ["10_pipeline_parallel", STAGE, "12_context_parallel", "13_pipeline_4d"])
 def test_the_oldest_torch_it_accepts_is_accepted(stage, monkeypatch, capsys):
-    """The control of test_faults' refusal of torch 2.5.1 for 10-12 (their top-of-file check, then check_args):
+    """The control of test_faults' refusal of torch 2.5.1 for 10-13 (their top-of-file check, then check_args):
     2.6.0, the minimum NEEDS_TORCH names, gets past both, so a check that refused every version fails here. (Stage
     10's case lives here too: test_faults.py, which holds the refusals, is edited by others; it belongs beside them.)"""
     from torch.torch_version import TorchVersion

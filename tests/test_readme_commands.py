@@ -50,13 +50,14 @@ def test_every_code_block_says_whether_it_is_commands_or_output():
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "python"], ids=lambda b: b.id)
 def test_code_excerpts_are_the_code(block):
-    """A ```python block quotes the train.py beside its README, line by line (comments and `...` elisions aside)."""
+    """A ```python block quotes the train.py beside its README, or in a GPT stage the files beside it, line by line
+    (comments and `...` elisions aside)."""
     script = block.doc.parent / "train.py"
     assert script.exists(), f"{block.id}: a ```python block must quote {script.relative_to(ROOT)}"
-    code = script.read_text()
+    code = "".join(path.read_text() for path in block.doc.parent.glob("*.py"))
     drifted = [line for line in block.body.splitlines()
                if (quoted := line.split("#")[0].split("...")[0].strip()) and quoted not in code]
-    assert not drifted, f"{block.id}: not in {script.relative_to(ROOT)}: {drifted}"
+    assert not drifted, f"{block.id}: not in {block.doc.parent.relative_to(ROOT)}'s .py files: {drifted}"
 
 
 def test_only_allowed_reasons_leave_a_command_out():

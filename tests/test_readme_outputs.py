@@ -141,8 +141,8 @@ SHOWN = [
     Shown("12_context_parallel/README.md", "[12_context_parallel] world size 2 = dp 1 x cp 2",
           "torchrun --standalone --nproc_per_node=2 12_context_parallel/train.py --cp 2",
           machine=GPT_MACHINE, rel=F32_GPT),
-    Shown("12_context_parallel/README.md", "[12_context_parallel] world size 4 = dp 1 x pp 2",
-          "torchrun --standalone --nproc_per_node=4 12_context_parallel/train.py --pp 2 --cp 2",
+    Shown("13_pipeline_4d/README.md", "[13_pipeline_4d] world size 4 = dp 1 x pp 2",
+          "torchrun --standalone --nproc_per_node=4 13_pipeline_4d/train.py --pp 2 --cp 2",
           machine=GPT_MACHINE, rel=F32_GPT),
     Shown("recipes/uneven_inputs/README.md", "[recipes/uneven_inputs] world size 2",
           "torchrun --standalone --nproc_per_node=2 recipes/uneven_inputs/train.py --epochs 5 --out runs/uneven"),
@@ -172,7 +172,7 @@ SKIPPED = {  # (README, how the block's first line starts): why it is not compar
     ("12_context_parallel/README.md", "positions         0 1"): "a diagram of the two splits",
     ("12_context_parallel/README.md", "causal attention, forward + backward"):
         "the output of benchmarks/cp_balance.py at its defaults (given in the prose; about a minute), not of a block",
-    ("README.md", "01_single_gpu/ … 12_context_parallel/"): "the repository's layout",
+    ("README.md", "01_single_gpu/ … 13_pipeline_4d/"): "the repository's layout",
     ("benchmarks/README.md", "tour: stages 01-09, world size 2, batch 32 per process = 64 global, float32; CPU (gloo)"):
         "the output of `python tour.py --dtype float32` (20 and 60 epochs, given in the prose), not of the block "
         "above it",

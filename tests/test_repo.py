@@ -10,10 +10,11 @@ import subprocess
 import sys
 import textwrap
 import tokenize
+from pathlib import Path
 
 import pytest
 
-from harness import RECIPES, ROOT, STAGES, load_stage
+from harness import FOLDER_STAGES, RECIPES, ROOT, STAGES, load_stage
 from lesson_diffs import BLOCK, EXTENDS, diff
 
 # Pieces of the lesson every stage must carry word for word: the contract (data, model, evaluation), and from
@@ -24,7 +25,9 @@ BOUNDARY = "# ═══ The lesson ends here ═══"
 # Stages with a model and data of their own: the contract above is stage 01's task; theirs is proven by their tests.
 OWN_MODEL = {"11_gpt": "a GPT on text: tests/test_gpt.py checks its DDP, FSDP, tp and resume against each other",
              "12_context_parallel": "11's GPT with cp: tests/test_context_parallel.py checks its layouts against one "
-                                    "process"}
+                                    "process",
+             "13_pipeline_4d": "12's GPT with pp too: tests/test_pipeline_4d.py checks its layouts against one process"}
+FOLDERS = FOLDER_STAGES  # the GPT stages, folders of files by concern: each file imports the others by name
 # Where a stage must differ, and why.
 EXPECTED_DIFFERENCES = {("07_model_parallel", "load_train_objs"): "builds the model split over two devices",
                         ("07_model_parallel", "replica_max_abs_diff"): "gathers parameters from two devices",
@@ -79,13 +82,24 @@ def test_stages_share_the_contract_word_for_word(name, since):
     assert len(sources) >= 4 and not drifted, f"{name} differs from {next(iter(sources))} in {drifted}"
 
 
+def stage_files(script: str) -> list[Path]:
+    """A script's files: a stage's or recipe's train.py, or a GPT stage's files (train.py and those beside it), or
+    a script elsewhere ("10_pipeline_parallel/by_hand")."""
+    if (ROOT / script / "train.py").exists():
+        return sorted((ROOT / script).glob("*.py")) if script in FOLDERS else [ROOT / script / "train.py"]
+    return [ROOT / f"{script}.py"]
+
+
 def split_at_boundary(script: str) -> tuple[str, str]:
     """(the lesson, the machinery common to every stage: from the boundary to the stage's own section or the end,
-    without the import lines that follow the boundary, which import what the lesson did not)."""
-    path = ROOT / script / "train.py" if (ROOT / script / "train.py").exists() else ROOT / f"{script}.py"
+    without the import lines that follow the boundary, which import what the lesson did not). A GPT stage keeps the
+    machinery in a file of its own (checks_and_reports.py): its lesson is its other files."""
+    files = stage_files(script)
+    (path,) = [f for f in files if BOUNDARY in f.read_text()] or files
     text = path.read_text()
     assert text.count(BOUNDARY) == 1, f"{path.relative_to(ROOT)}: expected one line starting {BOUNDARY!r}"
     lesson, rest = text.split(BOUNDARY)
+    lesson = "".join(f.read_text() for f in files if f != path) + lesson
     rest = rest.split("\n# ─── This ")[0].split('\nif __name__ == "__main__":')[0]
     common = "\n".join(line for line in rest.splitlines() if not line.startswith(("import ", "from ")))
     return lesson, re.sub(r"\n{3,}", "\n\n\n", common).strip()
@@ -116,7 +130,7 @@ def test_each_stage_readme_shows_the_diff_of_its_lesson(stage):
 PRIVATE_ALLOWED = {
     **{(stage, "torch.distributed.tensor._redistribute"):
        "a logger's name, to quiet a warning about a correct two-step gather: a name, not an API"
-       for stage in ("09_tensor_parallel", "11_gpt", "12_context_parallel")},
+       for stage in ("09_tensor_parallel", "11_gpt", "12_context_parallel", "13_pipeline_4d")},
     ("recipes/comm_hooks", "torch.utils._python_dispatch"):
         "counts the bytes each hook hands to gloo; CommDebugMode counts calls, not their tensors' bytes",
     ("recipes/comm_hooks", "torch.utils._pytree"): "walks the arguments of what the counter above sees",
@@ -158,8 +172,7 @@ def private_names(source: str) -> set[str]:
 
 @pytest.mark.parametrize("script", PRIVATE_SCANNED)
 def test_scripts_use_public_torch_apis_where_torch_has_them(script):
-    path = ROOT / script / "train.py" if (ROOT / script / "train.py").exists() else ROOT / f"{script}.py"
-    used = private_names(path.read_text())
+    used = set().union(*(private_names(path.read_text()) for path in stage_files(script)))
     allowed = [prefix for s, prefix in PRIVATE_ALLOWED if s == script]
     unexplained = [name for name in used if not any(name.startswith(prefix) for prefix in allowed)]
     assert not unexplained, f"{script} uses {unexplained}: use the public API, or say in PRIVATE_ALLOWED why not"
@@ -206,6 +219,10 @@ SHARED_SNAPSHOT_CODE = {
     ("11_gpt", "12_context_parallel"): ["checkpoints", "MetadataUnpickler", "SnapshotError", "failed_save",
                                         "check_checkpoint_arg", "schedule", "Trainer._load_snapshot",
                                         "Trainer._save_snapshot"],
+    # 13 is 12 with pp: the same again (each stage writes its own blocks' shards, under the same names).
+    ("12_context_parallel", "13_pipeline_4d"): ["checkpoints", "MetadataUnpickler", "SnapshotError", "failed_save",
+                                                "check_checkpoint_arg", "schedule", "Trainer._load_snapshot",
+                                                "Trainer._save_snapshot", "load_snapshot"],
 }
 
 
@@ -224,7 +241,9 @@ def test_snapshots_are_handled_with_the_previous_stages_code(pair):
     refusal = ("    except SnapshotError as e:\n"
                "        print(f\"{STAGE}/train.py: error: argument --snapshot: {e}\", file=sys.stderr)\n"
                "        sys.exit(2)\n")
-    assert all(refusal in inspect.getsource(stage.main) for stage in (first, then)), "the refusal in main() differs"
+    # (a GPT stage calls what only the checks need through `checks.`, its checks_and_reports.py)
+    assert all(refusal in inspect.getsource(stage.main).replace("checks.", "") for stage in (first, then)), \
+        "the refusal in main() differs"
 
 
 GPU_PATH = re.compile(r"torch\.cuda|[\"']cuda")  # a script that can run on a GPU names it
@@ -292,3 +311,52 @@ def test_the_clock_check_sees_a_read_that_does_not_wait():
               "def late():\n    t = time.perf_counter()\n    torch.cuda.synchronize()\n    return t\n"
               "START = time.perf_counter()\n")
     assert sorted(clock_reads(ast.parse(source))) == [(4, True), (6, False), (8, False), (11, False)]
+
+
+# A GPT stage's files that the next stage copies unchanged (checked identical), and that the next changes where its
+# method needs it (its README diffs those); checks_and_reports.py is the same file in every GPT stage.
+COPIES = {("11_gpt", "12_context_parallel"): ["checks_and_reports.py", "dataset.py"],
+          ("12_context_parallel", "13_pipeline_4d"): ["checks_and_reports.py", "context_parallel.py", "dataset.py"]}
+
+
+@pytest.mark.parametrize("stage", FOLDERS)
+def test_a_gpt_stage_is_its_folder_and_torch(stage):
+    """Each GPT stage stands alone, as a reader copies it: its files import the standard library, torch and each
+    other, nothing from another stage or the repository's root; and each is named for one concern."""
+    beside = {p.stem for p in (ROOT / stage).glob("*.py")}
+    foreign = []
+    for path in [p for p in (ROOT / stage).glob("*.py") if p.name != "plot_loss.py"]:  # a tool: plots a run with
+        # matplotlib (requirements.txt), run on its own; nothing of the stage imports it
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            foreign += [(path.name, n) for n in names
+                        if n.split(".")[0] not in {*sys.stdlib_module_names, "torch", "__future__", *beside}]
+    assert not foreign, f"{stage} imports from outside its folder, the standard library and torch: {foreign}"
+
+
+@pytest.mark.parametrize("pair", COPIES, ids="-".join)
+def test_a_file_a_gpt_stage_does_not_change_is_a_copy(pair):
+    first, then = pair
+    differs = [name for name in COPIES[pair] if (ROOT / first / name).read_bytes() != (ROOT / then / name).read_bytes()]
+    assert not differs, f"{then}'s {differs} differ from {first}'s: copy them, or take them out of COPIES and diff " \
+                        f"them in {then}/README.md"
+
+
+def test_two_stages_in_one_process_each_get_their_own_files(tmp_path):
+    """Tests, notebooks and benchmarks load several stages in one process (tour.load_stage), and the GPT stages' files
+    share names (model.py): each stage gets its own, under its own name, whichever was loaded first; and the plain
+    names stay free for the next. Two copies of 11 whose model.py differ by one line stand for two stages."""
+    import shutil
+    stages = {}
+    for tag in ("a", "b"):
+        copy = tmp_path / tag
+        shutil.copytree(ROOT / "11_gpt", copy, ignore=shutil.ignore_patterns("data", "*.png", "*.json", "__pycache__"))
+        (copy / "model.py").write_text((copy / "model.py").read_text() + f"\nTAG = {tag!r}\n")
+        stages[tag] = load_stage(copy)
+    for tag, stage in stages.items():
+        model = sys.modules[stage.GPT.__module__]
+        assert (model.TAG, inspect.getsourcefile(stage.GPT)) == (tag, str(tmp_path / tag / "model.py")), model
+    assert not {"model", "dataset", "train", "checks_and_reports"} & set(sys.modules)
+    s11, s12 = (load_stage(stage) for stage in FOLDERS[:2])
+    assert inspect.getsourcefile(s11.Trainer) != inspect.getsourcefile(s12.Trainer)

@@ -51,7 +51,7 @@ import pytest
 
 from harness import ROOT, Run, check, edited, launch_commands, run_command, time_limit
 
-RING = ROOT / "12_context_parallel" / "train.py"  # ring attention is in its lesson
+RING = ROOT / "12_context_parallel" / "context_parallel.py"  # ring attention: its own file, torch alone
 SYNC_SENDS = ROOT / "tests" / "sync_sends.py"
 WORLD = 4
 GROUPS = {2: [[0, 2], [1, 3]], 3: [[1, 2, 3]], 4: [[0, 1, 2, 3]]}  # cp -> its groups (every rank creates all of them)

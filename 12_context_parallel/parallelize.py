@@ -1,0 +1,119 @@
+"""What the stages taught, on the GPT: who holds and computes what. A (dp x cp) x tp grid of processes (stage 09's
+mesh) and the cp groups within it, each block split over tp (stage 09), the model wrapped in DDP (stages 03-06) or
+sharded by FSDP2 (stage 08) over dp x cp, the gradient clipped by its norm over the whole model however it is split,
+and the whole model gathered for saving."""
+from __future__ import annotations
+
+import argparse
+import logging
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from context_parallel import ContextParallel
+from model import GPT, Config
+
+
+def make_mesh(device: torch.device, shape: tuple[int, int], names: tuple[str, str], timeout: float) -> DeviceMesh:
+    """Stage 09's grid: shape[0] rows of shape[1] ranks (rank r in row r // shape[1]: consecutive ranks, one node),
+    a process group for each column (names[0]) and each row (names[1]), every one waiting --timeout like the world's:
+    init_device_mesh would give them the backend's default, 30 minutes, so a stalled rank would hang the job."""
+    grid = torch.arange(dist.get_world_size()).reshape(shape)
+    wait = timedelta(seconds=timeout)
+    columns, _ = dist.new_subgroups_by_enumeration(grid.T.tolist(), timeout=wait)  # every rank makes every group
+    rows, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=wait)
+    # On the training device explicitly: the default is cuda wherever a GPU is visible (pytorch#132471).
+    return DeviceMesh.from_group([columns, rows], device.type, mesh=grid, mesh_dim_names=names)
+
+
+def make_cp_group(cp: int, tp: int, timeout: float) -> dist.ProcessGroup | None:
+    """The cp ranks that split the same sequences: consecutive rows of the (dp x cp, tp) grid, the same tp column.
+    Rank r is (dp row, cp rank, tp rank) = r // (cp tp), r // tp % cp, r % tp."""
+    if cp == 1:
+        return None
+    grid = torch.arange(dist.get_world_size()).reshape(-1, cp, tp)
+    group, _ = dist.new_subgroups_by_enumeration(grid.transpose(1, 2).reshape(-1, cp).tolist(),
+                                                 timeout=timedelta(seconds=timeout))  # every rank makes every group
+    return group
+
+
+# Stage 09's pairing, on a transformer block: q, k and v split column-wise (each tp rank computes whole heads, its
+# share of them, without talking), the attention's output projection row-wise (partial sums, all-reduced over tp);
+# the MLP's first layer column-wise, its second row-wise. Per block, two all-reduces forward and four backward (the
+# gradient of each column-wise layer's input is a sum over tp: q, k, v and the MLP's first layer).
+# Embeddings, norms and the head stay whole on every tp rank (they are small here); FSDP2 shards them over dp.
+TP_PLAN = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+           "attn.proj": RowwiseParallel(), "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
+
+
+def parallelize(model: GPT, mesh: DeviceMesh, cp: ContextParallel, args: argparse.Namespace) -> nn.Module:
+    """The model as this rank trains it: its attention over cp (--cp), split over tp (--tp), compiled (--compile),
+    then DDP or FSDP2 over dp x cp: every cp rank holds the whole model (or a shard of it, as a dp rank does) and
+    computes a gradient of its own tokens' loss; averaged over dp x cp, that is the gradient of the global batch."""
+    if cp.size > 1:
+        model.cp = cp  # (for the positions its tokens are at)
+        for block in model.blocks:
+            block.attn.cp = cp
+    if args.tp > 1:  # every rank built the same weights (the same seed): each keeps its slice, no broadcast
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], TP_PLAN)
+        # Gathering a weight split over tp and sharded over dp takes two all-gathers: torch warns, on every rank.
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    if args.compile:  # each block compiled on its own, in place (the parameters keep their names)
+        for block in model.blocks:
+            block.compile()
+    if args.parallel == "fsdp":  # stage 08: each block a unit, gathered whole only while it computes
+        # --amp bf16: the shards stay float32 (the optimizer's), gathered as bfloat16 (half the bytes) for the
+        # forward and backward; the gradients are reduce-scattered in float32, so the average rounds as without it.
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.amp == "bf16" \
+            else MixedPrecisionPolicy()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp_cp"], mp_policy=mp)
+        return fully_shard(model, mesh=mesh["dp_cp"], mp_policy=mp)  # the rest (embeddings, norm, head): the root
+    # Stages 03-06: a replica per rank; the constructor broadcasts rank 0's weights, backward averages gradients.
+    return DDP(model, device_ids=[model.head.weight.device] if model.head.weight.is_cuda else None,
+               process_group=mesh.get_group("dp_cp"))
+
+
+def full_model(model: nn.Module, cfg: Config) -> GPT | None:
+    """The whole model as a plain GPT on rank 0's CPU, None on the other ranks (every rank calls this): the pieces
+    are sent unit by unit and only rank 0 keeps them (full_state_dict with cpu_offload), as when saving one file."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
+    with torch.device("meta"):  # no memory and no random draws: the weights come from `state`
+        full = GPT(cfg)
+    full.load_state_dict(state, assign=True)  # (no "module." prefix: get_model_state_dict drops DDP's)
+    return full
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Scale the gradients down so that their norm, over the whole model, is at most max_norm (0: never); return
+    the norm before. One rare large gradient then cannot undo many steps. The norm is of the whole gradient, as one
+    process would compute it, however it is split: DDP's gradients are whole on every rank (already averaged), but
+    a DTensor's (FSDP2's shards, tp's slices) is this rank's piece, and its norm a collective over the piece's mesh:
+    DTensor sums the pieces' squares there (an all-reduce, inside get_total_norm). The embeddings and norms lie on
+    the dp x cp mesh, tp's layers on (dp x cp) x tp: one norm per mesh (torch's clip_grad_norm_ refuses a mix), then
+    the total."""
+    by_mesh: dict = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    squares = []
+    for params in by_mesh.values():  # the same meshes in the same order on every rank (the model's order)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)  # (already whole: a copy)
+    total = torch.stack(squares).sum().sqrt()
+    if max_norm > 0:
+        for params in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total.detach()
+

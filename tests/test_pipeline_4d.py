@@ -1,0 +1,117 @@
+"""Stage 13: the GPT with its blocks over pp pipeline stages computes one process's training, alone and on the layouts
+it combines them with (both schedules, dp under FSDP2, all four of dp x pp x cp x tp at once), resumes a checkpoint
+that two stages wrote on another layout, and refuses bad combinations in one line.
+
+Five launches of tests/test_context_parallel.py's tiny model (2 blocks, 2 heads, width 32, context 24: one block a
+stage), float64, at that module's seed (drawn for the session, hidden from the code under test; printed with every
+failure), each compared with stage 13 as one process:
+
+    one      python, batch 4, 8 steps, a checkpoint every 4 (its trajectory: the state at 0, 4, 8): the reference
+
+    pp2      torchrun 2: pp 2 alone, 1F1B, 4 micro-batches of 1, 8 steps
+    dppp     torchrun 4: dp 2 x pp 2, GPipe, 2 micro-batches of 1, 4 steps (--decay-steps 8)
+    full     torchrun 16: dp 2 x pp 2 x cp 2 x tp 2, 1F1B, 2 micro-batches of 1, resumed from dppp's checkpoint to 8
+    ppclip   pp2's command on a copy whose gradient norm leaves out the other stage's blocks: pp2's control
+
+States (weights, both AdamW moments), per-step losses and gradient norms are compared with test_gpt.gaps, within
+sqrt(eps) of float64. The pipeline's schedules on stage 10's MLP, against one process and the by-hand pipeline, are
+tests/test_pipeline.py's. Each comparison prints its row of 13's README table (`pytest tests/test_pipeline_4d.py -s`
+shows them).
+"""
+from __future__ import annotations
+
+import pytest
+
+from harness import Run, Step, mutate, run_chains, tolerance
+from test_context_parallel import ONE, SEED, TINY, compare, equals_one_process
+from test_gpt import refusal
+
+STAGE = "13_pipeline_4d"
+TOL = tolerance("float64")
+# The gradient norm over the pipeline: without its all_reduce, each stage clips by the norm of its own blocks.
+PP_NORM = "    if pipe.size > 1:\n        dist.all_reduce(total, group=pipe.group)\n"
+
+
+def step(nproc: int, *args: str) -> Step:
+    return Step(STAGE, "python" if nproc == 1 else "torchrun", (*TINY, *args), nproc=nproc)
+
+
+PP2 = ("--pp", "2", "--parallel", "fsdp", "--batch-size", "1", "--accumulate", "4", "--max-steps", "8")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Run]:
+    tmp = tmp_path_factory.mktemp("pp")
+    print(f"seed {SEED}: CONTEXT_PARALLEL_SEED={SEED} reruns it")  # shown with any failure of the tests below
+    ppclip = mutate(STAGE, PP_NORM, "", tmp / "ppclip_stage")
+    chains = {  # the 4- then 16-process one first, so that the smaller ones fill in beside it
+        "dppp": [step(4, "--pp", "2", "--pp-schedule", "gpipe", "--parallel", "fsdp", "--batch-size", "1",
+                      "--accumulate", "2", "--max-steps", "4", "--decay-steps", "8",
+                      "--snapshot", str(tmp / "ck_dppp")),
+                 step(16, "--pp", "2", "--tp", "2", "--cp", "2", "--parallel", "fsdp", "--batch-size", "1",
+                      "--accumulate", "2", "--max-steps", "8", "--snapshot", str(tmp / "ck_dppp"))],
+        "one": [step(1, *ONE, "--snapshot", str(tmp / "ck_one"))],
+        "pp2": [step(2, *PP2, "--snapshot", str(tmp / "ck_pp2"))],
+        "ppclip": [step(2, *PP2, "--snapshot", str(tmp / "ck_ppclip"))],
+    }
+    return run_chains(chains, tmp, names={"dppp": ["dppp", "full"]}, scripts={"ppclip": ppclip})
+
+
+def test_two_pipeline_stages_are_one_process(runs):
+    """pp 2 alone under 1F1B (4 micro-batches a step, each through stage 0's block and then stage 1's): every state,
+    loss and gradient norm, the held-out loss and the sample (both computed through the stages by hand) equal one
+    process's."""
+    run, one = runs["pp2"], runs["one"]
+    s = run.summary
+    assert (s["stage"], s["world_size"], s["dp"], s["pp"], s["pp_schedule"], s["accumulate"]) == \
+        (STAGE, 2, 1, 2, "1f1b", 4), s
+    assert "world size 2 = dp 1 x pp 2 (1f1b, 4 micro-batches) x cp 1 x tp 1" in run.stdout, run.stdout
+    equals_one_process(run, one, [0, 4, 8], "pp 2, 1F1B, 4 micro-batches of 1 (FSDP2 over a dp of 1)")
+
+
+def test_dp_and_pp_then_all_four_resumed_are_one_process(runs):
+    """dp 2 x pp 2 under GPipe, to step 4; its checkpoint (written by two stages, each its own blocks) resumed by all
+    four of dp 2 x pp 2 x cp 2 x tp 2 at once on 16 processes under 1F1B, to step 8: the reference's states at 0, 4
+    and 8."""
+    dppp, full, one = runs["dppp"], runs["full"], runs["one"]
+    assert (dppp.summary["dp"], dppp.summary["pp"], dppp.summary["pp_schedule"]) == (2, 2, "gpipe")
+    worst, shared = compare("dp 2 × pp 2, GPipe, 2 micro-batches of 1", dppp, one)
+    assert shared == [0, 4] and worst <= TOL, f"dp 2 x pp 2 vs one process (seed {SEED}): {worst:.2e}"
+    s = full.summary
+    assert (s["world_size"], s["dp"], s["pp"], s["tp"], s["cp"], s["resumed_at"]) == (16, 2, 2, 2, 2, 4), s
+    assert "world size 16 = dp 2 x pp 2 (1f1b, 2 micro-batches) x cp 2 (ring, zigzag) x tp 2" in full.stdout
+    assert "(written by 4 ranks) at step 4" in full.stdout, full.stdout
+    equals_one_process(full, one, [4, 8], "**dp 2 × pp 2 × cp 2 × tp 2** on 16 processes, 1F1B, 2 micro-batches "
+                       "of 1, resumed from the run above's checkpoint")
+
+
+def test_a_gradient_norm_of_one_stage_is_caught(runs):
+    """The control of pp2's check: the same command on a copy whose gradient norm is each stage's own (no all_reduce
+    over the pipeline), so each clips by another norm. It trains without an error, and is far from one process."""
+    worst, _ = compare("**negative control**: pp 2 with each stage clipping by its own blocks' gradient norm",
+                       runs["ppclip"], runs["one"])
+    assert worst > 1e3 * TOL, f"the copy is within {worst:.2e} of one process (seed {SEED})"
+
+
+def test_bad_combinations_are_one_line_and_exit_2():
+    """What must divide what (pp x cp x tp the world; pp at most the blocks and, under 1F1B, the micro-batches), pp
+    without FSDP2; and the controls accepted. (cp's own refusals, the same code: tests/test_context_parallel.py.)"""
+    cases = [
+        (["--pp", "2"], {"WORLD_SIZE": "2"}, "--pp: pipelining is combined with FSDP2"),
+        (["--pp", "3", "--parallel", "fsdp", "--accumulate", "3"], {"WORLD_SIZE": "4"},
+         "--pp: 3 x --cp 1 x --tp 1 does not divide the world size 4"),
+        (["--pp", "2", "--cp", "2", "--tp", "2", "--parallel", "fsdp", "--accumulate", "2"], {"WORLD_SIZE": "4"},
+         "--pp: 2 x --cp 2 x --tp 2 does not divide the world size 4"),
+        (["--pp", "4", "--parallel", "fsdp", "--accumulate", "4", "--layers", "3"], {"WORLD_SIZE": "4"},
+         "--pp: 4 stages need at least 4 blocks"),
+        (["--pp", "2", "--parallel", "fsdp"], {"WORLD_SIZE": "2"}, "--accumulate: 1F1B needs at least one"),
+    ]
+    for args, env, message in cases:
+        code, err = refusal(args, env, STAGE)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith(f"{STAGE}/train.py: error: ") \
+            and message in lines[0], (args, code, err)
+    assert refusal(["--pp", "2", "--parallel", "fsdp", "--pp-schedule", "gpipe"], {"WORLD_SIZE": "2"},
+                   STAGE)[0] == "accepted"  # GPipe runs with fewer micro-batches than stages
+    assert refusal(["--pp", "2", "--tp", "2", "--cp", "2", "--parallel", "fsdp", "--accumulate", "2"],
+                   {"WORLD_SIZE": "8"}, STAGE)[0] == "accepted"
