@@ -5,6 +5,7 @@ today's files; `python tests/lesson_diffs.py` writes them anew after a change.
 """
 from __future__ import annotations
 
+import ast
 import difflib
 import re
 import sys
@@ -41,6 +42,14 @@ def own_checks(stage: str) -> list[str]:
     return re.findall(r"^(?:def|class) (\w+)", own, re.M)
 
 
+def code(path: Path) -> list[str]:
+    """A file's lines after its module docstring (the README teaches what the docstring says)."""
+    text = path.read_text()
+    tree = ast.parse(text)
+    docstring = tree.body and isinstance(tree.body[0], ast.Expr) and isinstance(tree.body[0].value, ast.Constant)
+    return text.splitlines()[tree.body[0].end_lineno if docstring else 0:]
+
+
 def folder_diff(stage: str, before: str) -> str:
     """A GPT stage's section: the folder against the one it extends, file by file. A file the stage adds is linked
     (read whole), a file it copies unchanged named (test_repo checks it is a copy), the others diffed."""
@@ -49,13 +58,13 @@ def folder_diff(stage: str, before: str) -> str:
     same = [n for n in names if n not in new and (ROOT / before / n).read_bytes() == (ROOT / stage / n).read_bytes()]
     changed = [n for n in names if n not in new and n not in same]
     lines = [line for n in changed for line in difflib.unified_diff(
-        (ROOT / before / n).read_text().splitlines(), (ROOT / stage / n).read_text().splitlines(),
-        f"{before}/{n}", f"{stage}/{n}", n=1, lineterm="")]
+        code(ROOT / before / n), code(ROOT / stage / n), f"{before}/{n}", f"{stage}/{n}", n=1, lineterm="")]
     added = sum(line.startswith("+") and not line.startswith("+++") for line in lines)
     removed = sum(line.startswith("-") and not line.startswith("---") for line in lines)
     return (f"`{stage}/` against `{before}/`, the stage it extends. New, to read whole: "
             + ", ".join(f"[`{n}`]({n})" for n in new) + ". Copied unchanged: " + ", ".join(f"`{n}`" for n in same)
-            + f". Changed ({added} lines added, {removed} removed): " + ", ".join(f"`{n}`" for n in changed)
+            + f". Changed ({added} lines added, {removed} removed; each file's docstring aside, which this README "
+            f"says at length): " + ", ".join(f"`{n}`" for n in changed)
             + ":\n\n```diff\n" + "\n".join(lines) + "\n```")
 
 

@@ -170,7 +170,7 @@ SKIPPED = {  # (README, how the block's first line starts): why it is not compar
     ("11_gpt/README.md", "11_gpt/train.py: error: argument --tp"):
         "the refusals, not a block's output: tests/test_gpt.py compares them line by line with main()'s in-process",
     ("12_context_parallel/README.md", "positions         0 1"): "a diagram of the two splits",
-    ("12_context_parallel/README.md", "causal attention, forward + backward"):
+    ("benchmarks/README.md", "causal attention, forward + backward"):
         "the output of benchmarks/cp_balance.py at its defaults (given in the prose; about a minute), not of a block",
     ("README.md", "01_single_gpu/ … 13_pipeline_4d/"): "the repository's layout",
     ("benchmarks/README.md", "tour: stages 01-09, world size 2, batch 32 per process = 64 global, float32; CPU (gloo)"):
