@@ -39,13 +39,13 @@ from harness import load_copy, mutated
 
 SIZES = {"layers": 2, "heads": 2, "width": 16, "context": 16}  # a window of 16 tokens: 8 per cp rank
 BATCH, CP = 2, 2
-POSITIONS = "where = torch.arange(t, device=x.device) if self.cp is None else self.cp.positions(t, x.device)"
+POSITIONS = "where = torch.arange(t, device=idx.device) if self.cp is None else self.cp.positions(t, idx.device)"
 MASK = "return torch.ones(rows, before + rows, dtype=torch.bool, device=device).tril(before)"
 CACHE = "@functools.cache\ndef causal_mask("
 CASES = ["11", "12 ring zigzag", "12 ring contiguous", "12 allgather zigzag", "12 allgather contiguous"]
 PLANTED = {  # name: the edits of 12_context_parallel's files (old, new)
     "positions from the host": [(POSITIONS, "where = (torch.arange(t) if self.cp is None else "
-                                            "self.cp.positions(t, 'cpu')).to(x.device)")],
+                                            "self.cp.positions(t, 'cpu')).to(idx.device)")],
     "mask from the host, every layer": [(MASK, "return torch.ones(rows, before + rows, dtype=torch.bool)"
                                                ".tril(before).to(device)"), (CACHE, "def causal_mask(")],
     "mask made again every layer": [(CACHE, "def causal_mask(")],
