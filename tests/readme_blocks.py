@@ -240,7 +240,10 @@ def real_once(tmp: Path, tour: bool) -> Path:
 
 def shimmed(command: str) -> tuple[str, str] | None:
     """(launcher, script) of a README command that the shims take (forkrun.shim_form), else None."""
-    words = shlex.split(command, comments=True)
+    try:
+        words = shlex.split(command, comments=True)
+    except ValueError:  # a line of a quoted string that spans lines (`python -c "` ... `"`): the shell's, not ours
+        return None
     while words and re.fullmatch(r"\w+=\S*", words[0]):  # VAR=value before the command
         words = words[1:]
     if not words or words[0] not in ("torchrun", "python", "python3"):
