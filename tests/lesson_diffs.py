@@ -50,6 +50,12 @@ def code(path: Path) -> list[str]:
     return text.splitlines()[tree.body[0].end_lineno if docstring else 0:]
 
 
+def changed_lines(lines: list[str]) -> tuple[int, int]:
+    """(lines added, lines removed) of a unified diff, its file headers aside."""
+    return (sum(line.startswith("+") and not line.startswith("+++") for line in lines),
+            sum(line.startswith("-") and not line.startswith("---") for line in lines))
+
+
 def folder_diff(stage: str, before: str) -> str:
     """A GPT stage's section: the folder against the one it extends, file by file. A file the stage adds is linked
     (read whole), a file it copies unchanged named (test_repo checks it is a copy), the others diffed."""
@@ -59,8 +65,7 @@ def folder_diff(stage: str, before: str) -> str:
     changed = [n for n in names if n not in new and n not in same]
     lines = [line for n in changed for line in difflib.unified_diff(
         code(ROOT / before / n), code(ROOT / stage / n), f"{before}/{n}", f"{stage}/{n}", n=1, lineterm="")]
-    added = sum(line.startswith("+") and not line.startswith("+++") for line in lines)
-    removed = sum(line.startswith("-") and not line.startswith("---") for line in lines)
+    added, removed = changed_lines(lines)
     return (f"`{stage}/` against `{before}/`, the stage it extends. New, to read whole: "
             + ", ".join(f"[`{n}`]({n})" for n in new) + ". Copied unchanged: " + ", ".join(f"`{n}`" for n in same)
             + f". Changed ({added} lines added, {removed} removed; each file's docstring aside, which this README "
@@ -75,8 +80,7 @@ def diff(stage: str) -> str:
         return folder_diff(stage, before)
     lines = list(difflib.unified_diff(lesson(before).splitlines(), lesson(stage).splitlines(),
                                       f"{before}/train.py", f"{stage}/train.py", n=1, lineterm=""))
-    added = sum(line.startswith("+") and not line.startswith("+++") for line in lines)
-    removed = sum(line.startswith("-") and not line.startswith("---") for line in lines)
+    added, removed = changed_lines(lines)
     checks = ", ".join(f"`{name}`" for name in own_checks(stage))
     below = f"; below it, this stage's own checks: {checks}" if checks else ""
     return (f"The lesson of `{stage}/train.py` against `{before}/train.py`, the stage it extends ({added} lines\n"

@@ -27,7 +27,6 @@ OWN_MODEL = {"11_gpt": "a GPT on text: tests/test_gpt.py checks its DDP, FSDP, t
              "12_context_parallel": "11's GPT with cp: tests/test_context_parallel.py checks its layouts against one "
                                     "process",
              "13_pipeline_4d": "12's GPT with pp too: tests/test_pipeline_4d.py checks its layouts against one process"}
-FOLDERS = FOLDER_STAGES  # the GPT stages, folders of files by concern: each file imports the others by name
 # Where a stage must differ, and why.
 EXPECTED_DIFFERENCES = {("07_model_parallel", "load_train_objs"): "builds the model split over two devices",
                         ("07_model_parallel", "replica_max_abs_diff"): "gathers parameters from two devices",
@@ -86,7 +85,7 @@ def stage_files(script: str) -> list[Path]:
     """A script's files: a stage's or recipe's train.py, or a GPT stage's files (train.py and those beside it), or
     a script elsewhere ("10_pipeline_parallel/by_hand")."""
     if (ROOT / script / "train.py").exists():
-        return sorted((ROOT / script).glob("*.py")) if script in FOLDERS else [ROOT / script / "train.py"]
+        return sorted((ROOT / script).glob("*.py")) if script in FOLDER_STAGES else [ROOT / script / "train.py"]
     return [ROOT / f"{script}.py"]
 
 
@@ -319,7 +318,7 @@ COPIES = {("11_gpt", "12_context_parallel"): ["checks_and_reports.py", "dataset.
           ("12_context_parallel", "13_pipeline_4d"): ["checks_and_reports.py", "context_parallel.py", "dataset.py"]}
 
 
-@pytest.mark.parametrize("stage", FOLDERS)
+@pytest.mark.parametrize("stage", FOLDER_STAGES)
 def test_a_gpt_stage_is_its_folder_and_torch(stage):
     """Each GPT stage stands alone, as a reader copies it: its files import the standard library, torch and each
     other, nothing from another stage or the repository's root; and each is named for one concern."""
@@ -358,5 +357,5 @@ def test_two_stages_in_one_process_each_get_their_own_files(tmp_path):
         model = sys.modules[stage.GPT.__module__]
         assert (model.TAG, inspect.getsourcefile(stage.GPT)) == (tag, str(tmp_path / tag / "model.py")), model
     assert not {"model", "dataset", "train", "checks_and_reports"} & set(sys.modules)
-    s11, s12 = (load_stage(stage) for stage in FOLDERS[:2])
+    s11, s12 = (load_stage(stage) for stage in FOLDER_STAGES[:2])
     assert inspect.getsourcefile(s11.Trainer) != inspect.getsourcefile(s12.Trainer)
