@@ -1,7 +1,7 @@
 """What the stages taught, on the GPT: who holds and computes what. A (dp x cp) x tp grid of processes (stage 09's
-mesh) and the cp groups within it, each block split over tp (stage 09), the model wrapped in DDP (stages 03-06) or
-sharded by FSDP2 (stage 08) over dp x cp, the gradient clipped by its norm over the whole model however it is split,
-and the whole model gathered for saving."""
+mesh), each block split over tp (stage 09), the model wrapped in DDP (stages 03-06) or sharded by FSDP2 (stage 08)
+over dp x cp, the gradient clipped by its norm over the whole model however it is split, and the whole model
+gathered for saving."""
 from __future__ import annotations
 
 import argparse
@@ -22,27 +22,17 @@ from context_parallel import ContextParallel
 from model import GPT, Config
 
 
-def make_mesh(device: torch.device, shape: tuple[int, int], names: tuple[str, str], timeout: float) -> DeviceMesh:
-    """Stage 09's grid: shape[0] rows of shape[1] ranks (rank r in row r // shape[1]: consecutive ranks, one node),
-    a process group for each column (names[0]) and each row (names[1]), every one waiting --timeout like the world's:
-    init_device_mesh would give them the backend's default, 30 minutes, so a stalled rank would hang the job."""
+def make_mesh(device: torch.device, shape: tuple[int, ...], names: tuple[str, ...], timeout: float) -> DeviceMesh:
+    """Stage 09's grid, in as many dimensions as `shape` (the last one's ranks consecutive: one node), with a process
+    group along each dimension for every line of ranks that differ in that coordinate alone (in two, (dp, tp): one for
+    each column and one for each row), every one waiting --timeout like the world's: init_device_mesh would give them
+    the backend's default, 30 minutes, so a stalled rank would hang the job."""
     grid = torch.arange(dist.get_world_size()).reshape(shape)
     wait = timedelta(seconds=timeout)
-    columns, _ = dist.new_subgroups_by_enumeration(grid.T.tolist(), timeout=wait)  # every rank makes every group
-    rows, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=wait)
+    groups = [dist.new_subgroups_by_enumeration(grid.movedim(d, -1).reshape(-1, n).tolist(), timeout=wait)[0]
+              for d, n in enumerate(shape)]  # every rank makes every group, in the same order
     # On the training device explicitly: the default is cuda wherever a GPU is visible (pytorch#132471).
-    return DeviceMesh.from_group([columns, rows], device.type, mesh=grid, mesh_dim_names=names)
-
-
-def make_cp_group(cp: int, tp: int, timeout: float) -> dist.ProcessGroup | None:
-    """The cp ranks that split the same sequences: consecutive rows of the (dp x cp, tp) grid, the same tp column.
-    Rank r is (dp row, cp rank, tp rank) = r // (cp tp), r // tp % cp, r % tp."""
-    if cp == 1:
-        return None
-    grid = torch.arange(dist.get_world_size()).reshape(-1, cp, tp)
-    group, _ = dist.new_subgroups_by_enumeration(grid.transpose(1, 2).reshape(-1, cp).tolist(),
-                                                 timeout=timedelta(seconds=timeout))  # every rank makes every group
-    return group
+    return DeviceMesh.from_group(groups, device.type, mesh=grid, mesh_dim_names=names)
 
 
 # Stage 09's pairing, on a transformer block: q, k and v split column-wise (each tp rank computes whole heads, its

@@ -42,15 +42,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-# The files beside this one (`python train.py` puts its folder first on sys.path). checks_and_reports.py holds what
-# only the tests and the reports need (flag checks, checkpoint checks, MFU, --out): each `checks.` below is not the
-# lesson; leave it out of your project.
-import checks_and_reports as checks
-from context_parallel import ContextParallel
+# The files beside this one (`python train.py` puts its folder first on sys.path). checks.py and reports.py hold
+# what only the tests and the reports need (flag and checkpoint checks; memory, MFU, --out): each `checks.` and
+# `reports.` below is not the lesson; leave them out of your project.
+import checks
+import reports
+from context_parallel import ContextParallel, make_cp_group
 from dataset import DATA, Corpus, baselines, batch_of_windows, load_corpus, to_device
 from evaluate import clock, held_out_loss, sample
 from model import DTYPES, GPT, Config
-from parallelize import clip_gradients, full_model, make_cp_group, make_mesh, parallelize
+from parallelize import clip_gradients, full_model, make_mesh, parallelize
 
 STAGE = "12_context_parallel"
 
@@ -237,7 +238,7 @@ class Trainer:
     def record(self) -> None:
         """--out: keep the whole state (gathered: every rank calls this), for the tests to compare runs step by step."""
         if self.args.out is not None:
-            self.trajectory.append(checks.state_at(self.model, self.optimizer, self.steps))
+            self.trajectory.append(reports.state_at(self.model, self.optimizer, self.steps))
 
 
 def replica_max_abs_diff(model: nn.Module, group: dist.ProcessGroup) -> float:
@@ -251,7 +252,7 @@ def replica_max_abs_diff(model: nn.Module, group: dist.ProcessGroup) -> float:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    # ArgumentParser and positive() are in checks_and_reports.py: a bad value is one line of error and exit 2.
+    # ArgumentParser and positive() are in checks.py: a bad value is one line of error and exit 2.
     p = checks.ArgumentParser(prog=f"{STAGE}/train.py", description=__doc__.splitlines()[0])
     p.add_argument("--max-steps", type=checks.positive(int), default=800,
                    help="optimizer steps in all (the length of training: a text has no epochs here; a resumed "
@@ -373,14 +374,14 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
     loss_sum, count = held_out_loss(model, corpus.held_out, cfg.context, mesh, cp, device)
     # DDP's replicas must agree; FSDP has none to compare (each rank holds other shards): no gather of the model.
     max_diff = replica_max_abs_diff(model, mesh.get_group("dp_cp")) if args.parallel == "ddp" else None
-    memory = checks.peak_memory(model, optimizer, device)  # every rank's, gathered (checks_and_reports.py)
-    peak = checks.machine_peak(device, args)  # the FLOP/s the MFU is of: measured on a CPU (checks_and_reports)
+    memory = reports.peak_memory(model, optimizer, device)  # every rank's, gathered (reports.py)
+    peak = reports.machine_peak(device, args)  # the FLOP/s the MFU is of: measured on a CPU (reports.py)
     text = sample(model, corpus.chars, args.sample, cfg.context, args.seed, cp, device) if args.sample else ""
     if master_process:
         loss = loss_sum / count
         print(f"held-out loss {loss:.4f} nats/char over {count:,} characters | bigram {floor['bigram']:.3f}, "
               f"unigram {floor['unigram']:.3f}, uniform {floor['uniform']:.3f}")
-        speed = checks.report_speed(trainer, cfg, device, peak)
+        speed = reports.report_speed(trainer, cfg, device, peak)
         print(f"peak memory per rank ({memory['how']}): " + " | ".join(
             f"rank {r} {m / 2**20:,.0f} MiB" for r, m in enumerate(memory["peak"])) + " | model state per rank "
             "(weights, gradients, AdamW's moments): " + " | ".join(f"{b / 2**20:.2f} MiB" for b in memory["state"]))
@@ -389,7 +390,7 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
     if args.out is not None:  # model.pt: the whole model, gathered once at the end, onto rank 0's CPU only
         full = full_model(model, cfg)
         if master_process:
-            checks.write_run(args, trainer, full, floor, (loss, count), seconds, speed, memory, max_diff, text)
+            reports.write_run(args, trainer, full, floor, (loss, count), seconds, speed, memory, max_diff, text)
     if max_diff:  # every rank of a dp group computed the same max_diff (all_gather), so they stop here together
         raise RuntimeError(f"DDP's replicas diverged (max |difference| {max_diff:.3g})")
 
@@ -423,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
         # On success train() has returned and its model is gone: destroying the group while a DDP
         # model still holds it can hang a gloo process at exit (pytorch/pytorch#75097).
         dist.destroy_process_group()
-    checks.exit_without_teardown()  # skips Python's teardown, which a gloo thread can crash (checks_and_reports.py)
+    checks.exit_without_teardown()  # skips Python's teardown, which a gloo thread can crash (checks.py)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import functools
 import math
 from collections.abc import Iterator
 from contextlib import nullcontext
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -241,6 +242,18 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
                       for i, c in enumerate(mine)], dim=2)
 
 
+def make_cp_group(cp: int, tp: int, timeout: float) -> dist.ProcessGroup | None:
+    """The cp ranks that split the same sequences: cp consecutive rows of tp ranks, the same tp column (rank r is cp
+    rank r // tp % cp of its group), waiting --timeout like the world's group (a group made without one waits 30
+    minutes, so a stalled cp rank would hang the job)."""
+    if cp == 1:
+        return None
+    grid = torch.arange(dist.get_world_size()).reshape(-1, cp, tp)
+    group, _ = dist.new_subgroups_by_enumeration(grid.transpose(1, 2).reshape(-1, cp).tolist(),
+                                                 timeout=timedelta(seconds=timeout))  # every rank makes every group
+    return group
+
+
 class ContextParallel:
     """This rank's place in its cp group: which part of every sequence it holds, and how its attention reaches the
     rest. cp = 1 (no group) holds the whole sequence: the same code then runs as stage 11's."""
@@ -278,3 +291,8 @@ class ContextParallel:
     def multiple(self) -> int:
         """A sequence's length must be a multiple of this to split evenly (zigzag: 2cp chunks)."""
         return 2 * self.size if self.zigzag and self.size > 1 else self.size
+
+    def pad(self, x: torch.Tensor, fill: int) -> torch.Tensor:
+        """x [b, n] with `fill` appended up to a length this group can split. At the end: under the causal mask no
+        real position reads them, so they change nothing before them."""
+        return F.pad(x, (0, -x.shape[1] % self.multiple()), value=fill)

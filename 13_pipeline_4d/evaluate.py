@@ -16,12 +16,6 @@ from context_parallel import ContextParallel
 from pipeline import Pipeline
 
 
-def padded(window: torch.Tensor, multiple: int, fill: int) -> torch.Tensor:
-    """window [b, n] with `fill` appended up to a length cp can split. At the end: under the causal mask no real
-    position reads them, so they change nothing before them."""
-    return F.pad(window, (0, -window.shape[1] % multiple), value=fill)
-
-
 @torch.no_grad()
 def held_out_loss(model: nn.Module, tokens: torch.Tensor, context: int, mesh: DeviceMesh, cp: ContextParallel,
                   pipe: Pipeline, device: torch.device) -> tuple[float, int]:
@@ -44,7 +38,7 @@ def held_out_loss(model: nn.Module, tokens: torch.Tensor, context: int, mesh: De
                                     .item(), y.numel()], dtype=torch.float64, device=device)
     for start in tail.tolist():  # the text's last window is shorter: every rank computes it, dp row 0 counts it
         window = tokens[start:][None]
-        x, y = padded(window[:, :-1], cp.multiple(), 0), padded(window[:, 1:], cp.multiple(), -100)  # -100: ignored
+        x, y = cp.pad(window[:, :-1], 0), cp.pad(window[:, 1:], -100)  # -100: ignored by the loss
         x, y = cp.share(x).to(device), cp.share(y).to(device)
         logits = pipe.forward(model, x)
         if dp_rank == 0 and logits is not None:
@@ -70,7 +64,7 @@ def sample(model: nn.Module, chars: str, length: int, context: int, seed: int, c
     idx = torch.tensor([[chars.find("\n") if "\n" in chars else 0]])  # start as a line starts
     for _ in range(length):
         n = idx[:, -context:].shape[1]
-        x = padded(idx[:, -context:], cp.multiple(), 0)  # cp splits a multiple of cp.multiple() positions
+        x = cp.pad(idx[:, -context:], 0)  # to a length cp can split
         logits = pipe.forward(model, cp.share(x).to(device))
         row = torch.empty(len(chars), dtype=torch.float64, device=device) if logits is None else \
             cp.gather(logits, x.shape[1])[0, n - 1].double()

@@ -215,7 +215,7 @@ def show_outline(stage: str) -> None:
     """The top-level functions and classes of a stage's train.py, with the first line of their docstring; of a GPT
     stage (a folder of files by concern), of each of its files in the order a reader meets them."""
     order = ["dataset.py", "model.py", "parallelize.py", "context_parallel.py", "pipeline.py", "train.py",
-             "evaluate.py", "checks_and_reports.py"]
+             "evaluate.py", "checks.py", "reports.py"]
     files = sorted((ROOT / stage).glob("*.py"), key=lambda p: order.index(p.name) if p.name in order else len(order)) \
         if (ROOT / stage / "model.py").exists() else [ROOT / stage / "train.py"]
     rows = ["| file:line | definition | what it is |", "|---|---|---|"]

@@ -63,14 +63,33 @@ def folder_diff(stage: str, before: str) -> str:
     new = [n for n in names if not (ROOT / before / n).exists()]
     same = [n for n in names if n not in new and (ROOT / before / n).read_bytes() == (ROOT / stage / n).read_bytes()]
     changed = [n for n in names if n not in new and n not in same]
-    lines = [line for n in changed for line in difflib.unified_diff(
-        code(ROOT / before / n), code(ROOT / stage / n), f"{before}/{n}", f"{stage}/{n}", n=1, lineterm="")]
+    lines = [line for n in changed for line in changes(ROOT / before / n, ROOT / stage / n, f"{before}/{n}",
+                                                        f"{stage}/{n}")]
     added, removed = changed_lines(lines)
     return (f"`{stage}/` against `{before}/`, the stage it extends. New, to read whole: "
             + ", ".join(f"[`{n}`]({n})" for n in new) + ". Copied unchanged: " + ", ".join(f"`{n}`" for n in same)
             + f". Changed ({added} lines added, {removed} removed; each file's docstring aside, which this README "
-            f"says at length): " + ", ".join(f"`{n}`" for n in changed)
-            + ":\n\n```diff\n" + "\n".join(lines) + "\n```")
+            f"says at length; each change headed by its lines in the two files and the definition it is in): "
+            + ", ".join(f"`{n}`" for n in changed) + ":\n\n```diff\n" + "\n".join(lines) + "\n```")
+
+
+HUNK = re.compile(r"@@ -(\d+)(,\d+)? \+(\d+)(,\d+)? @@")
+DEFINITION = re.compile(r"\s*((?:async def|def|class) \w+)")
+
+
+def changes(old: Path, new: Path, old_name: str, new_name: str) -> list[str]:
+    """The changed lines of two files, docstring aside, without context: each hunk's header gives the lines' numbers
+    in the files themselves and, as git's does, the nearest definition above (`@@ -40,2 +40,3 @@ def forward`)."""
+    before, after = code(old), code(new)
+    skipped = [len(path.read_text().splitlines()) - len(lines) for path, lines in ((old, before), (new, after))]
+    out = []
+    for line in difflib.unified_diff(before, after, old_name, new_name, n=0, lineterm=""):
+        if m := HUNK.fullmatch(line):
+            above = [d[1] for a in after[:max(int(m[3]) - 1, 0) + (m[4] == ",0")] if (d := DEFINITION.match(a))]
+            line = (f"@@ -{int(m[1]) + skipped[0]}{m[2] or ''} +{int(m[3]) + skipped[1]}{m[4] or ''} @@"
+                    + (f" {above[-1]}" if above else ""))
+        out.append(line)
+    return out
 
 
 def diff(stage: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import ast
 import inspect
 import io
+import itertools
 import operator
 import re
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from harness import FOLDER_STAGES, RECIPES, ROOT, STAGES, load_stage
-from lesson_diffs import BLOCK, EXTENDS, diff
+from lesson_diffs import BLOCK, DEFINITION, EXTENDS, HUNK, changes, diff
 
 # Pieces of the lesson every stage must carry word for word: the contract (data, model, evaluation), and from
 # stage 03 on the distributed pieces. The machinery after the boundary is checked whole (test_machinery_...).
@@ -92,13 +93,14 @@ def stage_files(script: str) -> list[Path]:
 def split_at_boundary(script: str) -> tuple[str, str]:
     """(the lesson, the machinery common to every stage: from the boundary to the stage's own section or the end,
     without the import lines that follow the boundary, which import what the lesson did not). A GPT stage keeps the
-    machinery in a file of its own (checks_and_reports.py): its lesson is its other files."""
+    machinery in a file of its own (checks.py): its lesson is its other files but reports.py, which holds its own
+    reports (memory, MFU, --out)."""
     files = stage_files(script)
     (path,) = [f for f in files if BOUNDARY in f.read_text()] or files
     text = path.read_text()
     assert text.count(BOUNDARY) == 1, f"{path.relative_to(ROOT)}: expected one line starting {BOUNDARY!r}"
     lesson, rest = text.split(BOUNDARY)
-    lesson = "".join(f.read_text() for f in files if f != path) + lesson
+    lesson = "".join(f.read_text() for f in files if f.name not in {path.name, "reports.py"}) + lesson
     rest = rest.split("\n# ─── This ")[0].split('\nif __name__ == "__main__":')[0]
     common = "\n".join(line for line in rest.splitlines() if not line.startswith(("import ", "from ")))
     return lesson, re.sub(r"\n{3,}", "\n\n\n", common).strip()
@@ -121,6 +123,28 @@ def test_each_stage_readme_shows_the_diff_of_its_lesson(stage):
     shown = BLOCK.search((ROOT / stage / "README.md").read_text())
     assert shown, f"{stage}/README.md has no diff block: run python tests/lesson_diffs.py"
     assert shown.group(1) == diff(stage), f"{stage}/README.md shows an old diff: run python tests/lesson_diffs.py"
+
+
+
+@pytest.mark.parametrize("stage", FOLDER_STAGES[1:])
+def test_a_folder_diffs_changes_are_where_their_headers_say(stage):
+    """A GPT stage's README diff has no context lines: each change's header must say where it is, its lines'
+    numbers in the two files themselves (docstrings included) and the definition above it in the new file."""
+    before = EXTENDS[stage]
+    for name in sorted(p.name for p in (ROOT / stage).glob("*.py") if (ROOT / before / p.name).exists()):
+        old, new = ((ROOT / s / name).read_text().splitlines() for s in (before, stage))
+        lines = changes(ROOT / before / name, ROOT / stage / name, "a", "b")
+        for i, line in enumerate(lines):
+            if not (m := HUNK.match(line)):
+                continue
+            hunk = list(itertools.takewhile(lambda x: not x.startswith("@@"), lines[i + 1:]))
+            (o, oc), (n, nc) = ((int(a), int(c[1:]) if c else 1) for a, c in ((m[1], m[2]), (m[3], m[4])))
+            # (an empty range's number is the line before it: nothing there to compare)
+            assert [x[1:] for x in hunk if x[0] == "-"] == (old[o - 1:o - 1 + oc] if oc else []), (name, line)
+            assert [x[1:] for x in hunk if x[0] == "+"] == (new[n - 1:n - 1 + nc] if nc else []), (name, line)
+            start = n - 1 if nc else n  # (an empty range names the line before it)
+            above = [d[1] for x in new[:start] if (d := DEFINITION.match(x))]
+            assert line.removeprefix(m[0]).strip() == (above[-1] if above else ""), (name, line)
 
 
 # Private torch names a script may use, each where torch has no public way to do it; any other is a failure. A name
@@ -240,7 +264,7 @@ def test_snapshots_are_handled_with_the_previous_stages_code(pair):
     refusal = ("    except SnapshotError as e:\n"
                "        print(f\"{STAGE}/train.py: error: argument --snapshot: {e}\", file=sys.stderr)\n"
                "        sys.exit(2)\n")
-    # (a GPT stage calls what only the checks need through `checks.`, its checks_and_reports.py)
+    # (a GPT stage calls what only the checks need through `checks.`, its checks.py)
     assert all(refusal in inspect.getsource(stage.main).replace("checks.", "") for stage in (first, then)), \
         "the refusal in main() differs"
 
@@ -313,9 +337,9 @@ def test_the_clock_check_sees_a_read_that_does_not_wait():
 
 
 # A GPT stage's files that the next stage copies unchanged (checked identical), and that the next changes where its
-# method needs it (its README diffs those); checks_and_reports.py is the same file in every GPT stage.
-COPIES = {("11_gpt", "12_context_parallel"): ["checks_and_reports.py", "dataset.py"],
-          ("12_context_parallel", "13_pipeline_4d"): ["checks_and_reports.py", "context_parallel.py", "dataset.py"]}
+# method needs it (its README diffs those); checks.py and reports.py are the same files in every GPT stage.
+COPIES = {("11_gpt", "12_context_parallel"): ["checks.py", "dataset.py", "reports.py"],
+          ("12_context_parallel", "13_pipeline_4d"): ["checks.py", "context_parallel.py", "dataset.py", "reports.py"]}
 
 
 @pytest.mark.parametrize("stage", FOLDER_STAGES)
@@ -356,6 +380,6 @@ def test_two_stages_in_one_process_each_get_their_own_files(tmp_path):
     for tag, stage in stages.items():
         model = sys.modules[stage.GPT.__module__]
         assert (model.TAG, inspect.getsourcefile(stage.GPT)) == (tag, str(tmp_path / tag / "model.py")), model
-    assert not {"model", "dataset", "train", "checks_and_reports"} & set(sys.modules)
+    assert not {"model", "dataset", "train", "checks", "reports"} & set(sys.modules)
     s11, s12 = (load_stage(stage) for stage in FOLDER_STAGES[:2])
     assert inspect.getsourcefile(s11.Trainer) != inspect.getsourcefile(s12.Trainer)
