@@ -233,14 +233,15 @@ def wait_for(ranks: dict[int, int], port: str, client: socket.socket | None) -> 
     return 1 if failed else 0
 
 
-def shim_form(launcher: str, args: list[str]) -> str | None:
+def shim_form(launcher: str, args: list[str], exists: bool = True) -> str | None:
     """The script of `torchrun args` or `python args` if it is a form the README shims fork, else None: `torchrun
-    --standalone --nproc_per_node=N script ...` and `python script.py ...` (a file that exists)."""
+    --standalone --nproc_per_node=N script ...` and `python script.py ...` (a file that exists, unless `exists` is
+    False: a README's command read before the copy it runs in is made)."""
     if launcher == "torchrun":
         forked = len(args) >= 3 and args[0] == "--standalone" and re.fullmatch(r"--nproc_per_node=\d+", args[1]) \
             and not args[2].startswith("-")
         return args[2] if forked else None
-    return args[0] if args and args[0].endswith(".py") and os.path.isfile(args[0]) else None
+    return args[0] if args and args[0].endswith(".py") and (not exists or os.path.isfile(args[0])) else None
 
 
 # A folder (the README shims set it; popped here, so no launch sees it) where each launcher and script the shims see

@@ -249,9 +249,7 @@ def shimmed(command: str) -> tuple[str, str] | None:
     if not words or words[0] not in ("torchrun", "python", "python3"):
         return None
     launcher = "torchrun" if words[0] == "torchrun" else "python"
-    if launcher == "python":  # forkrun.shim_form asks that the file exists: in the copy a README runs in, it does
-        return (launcher, words[1]) if len(words) > 1 and words[1].endswith(".py") else None
-    script = forkrun.shim_form(launcher, words[1:])
+    script = forkrun.shim_form(launcher, words[1:], exists=False)
     return (launcher, script) if script else None
 
 
