@@ -125,7 +125,6 @@ def test_each_stage_readme_shows_the_diff_of_its_lesson(stage):
     assert shown.group(1) == diff(stage), f"{stage}/README.md shows an old diff: run python tests/lesson_diffs.py"
 
 
-
 @pytest.mark.parametrize("stage", FOLDER_STAGES[1:])
 def test_a_folder_diffs_changes_are_where_their_headers_say(stage):
     """A GPT stage's README diff has no context lines: each change's header must say where it is, its lines'
@@ -142,7 +141,7 @@ def test_a_folder_diffs_changes_are_where_their_headers_say(stage):
             # (an empty range's number is the line before it: nothing there to compare)
             assert [x[1:] for x in hunk if x[0] == "-"] == (old[o - 1:o - 1 + oc] if oc else []), (name, line)
             assert [x[1:] for x in hunk if x[0] == "+"] == (new[n - 1:n - 1 + nc] if nc else []), (name, line)
-            start = n - 1 if nc else n  # (an empty range names the line before it)
+            start = n - 1 if nc else n
             above = [d[1] for x in new[:start] if (d := DEFINITION.match(x))]
             assert line.removeprefix(m[0]).strip() == (above[-1] if above else ""), (name, line)
 
@@ -340,6 +339,17 @@ def test_the_clock_check_sees_a_read_that_does_not_wait():
 # method needs it (its README diffs those); checks.py and reports.py are the same files in every GPT stage.
 COPIES = {("11_gpt", "12_context_parallel"): ["checks.py", "dataset.py", "reports.py"],
           ("12_context_parallel", "13_pipeline_4d"): ["checks.py", "context_parallel.py", "dataset.py", "reports.py"]}
+
+
+LONGEST_FILE = 450  # lines: a file a learner opens holds one concern (nanoGPT's model.py and train.py: ~330 each)
+
+
+@pytest.mark.parametrize("stage", FOLDER_STAGES)
+def test_no_file_of_a_gpt_stage_is_longer_than_a_lesson(stage):
+    """A GPT stage is a folder of files by concern so that none is long: one that grows past LONGEST_FILE holds
+    two concerns; split it (as checks.py and reports.py were) rather than raise the number."""
+    long = {p.name: n for p in (ROOT / stage).glob("*.py") if (n := len(p.read_text().splitlines())) > LONGEST_FILE}
+    assert not long, f"{stage}: {long} lines, above {LONGEST_FILE}: split by concern"
 
 
 @pytest.mark.parametrize("stage", FOLDER_STAGES)
