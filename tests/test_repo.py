@@ -93,14 +93,14 @@ def stage_files(script: str) -> list[Path]:
 def split_at_boundary(script: str) -> tuple[str, str]:
     """(the lesson, the machinery common to every stage: from the boundary to the stage's own section or the end,
     without the import lines that follow the boundary, which import what the lesson did not). A GPT stage keeps the
-    machinery in a file of its own (checks.py): its lesson is its other files but reports.py, which holds its own
-    reports (memory, MFU, --out)."""
+    machinery in a file of its own (checks.py): the rest is its other files (reports.py among them, which must not
+    redefine the machinery's names either)."""
     files = stage_files(script)
     (path,) = [f for f in files if BOUNDARY in f.read_text()] or files
     text = path.read_text()
     assert text.count(BOUNDARY) == 1, f"{path.relative_to(ROOT)}: expected one line starting {BOUNDARY!r}"
     lesson, rest = text.split(BOUNDARY)
-    lesson = "".join(f.read_text() for f in files if f.name not in {path.name, "reports.py"}) + lesson
+    lesson = "".join(f.read_text() for f in files if f != path) + lesson
     rest = rest.split("\n# ─── This ")[0].split('\nif __name__ == "__main__":')[0]
     common = "\n".join(line for line in rest.splitlines() if not line.startswith(("import ", "from ")))
     return lesson, re.sub(r"\n{3,}", "\n\n\n", common).strip()
