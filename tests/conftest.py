@@ -9,11 +9,11 @@ in float64, the tour's default: rounding then stays ~1e-15, far from anything a 
 
 Most of the suite's CPU time is spent starting processes (importing torch, the first DDP()), often one or two
 at a time: alone, most modules keep the 2 cores 50-70 % busy. So the session runs several things at once. In
-the background, from the start: the tour, then every other README command (test_readme_commands checks those);
-beside them, the container image's build, which mostly waits (tests/containers.py). In the foreground: first
-the modules that read no runs (BEFORE_THE_TOUR_ENDS, the fault battery among them: its bounds are measured under
-the load it meets), then the others (the first test that needs a run waits for the whole tour), and last (LAST)
-those that keep both cores busy on their own or wait for the README commands.
+the background, from the start: the tour, then every other README command (test_readme_commands checks those),
+then the notebooks (test_notebooks checks them); beside them, the container image's build, which mostly waits
+(tests/containers.py). In the foreground: first the modules that read no runs (BEFORE_THE_TOUR_ENDS, the fault
+battery among them: its bounds are measured under the load it meets), then the others (the first test that needs
+a run waits for the whole tour), and last (LAST) those that wait for the README commands or the notebooks.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import pytest
 
 from containers import build_image, engine_env, engine_missing, remove_everything
 from harness import Run, Step, check, forkrun_server, load_run, plan
+from notebook_runs import PROCESS_VARS, kernel_env, run_all
 from readme_blocks import (
     BLOCKS,
     HIDE_GPUS,
@@ -73,9 +74,8 @@ class Tour:
 # plus start-ups timed among the cases, under whatever load there is (test_faults.Pace), so it shares the cores.
 BEFORE_THE_TOUR_ENDS = ("test_faults.py", "test_benchmarks.py", "test_collectives.py", "test_sync_sends.py",
                         "test_gathers.py")
-# Run last: the notebooks keep both cores busy alone (their kernels), and the README test waits for the README
-# commands (so do the tests marked readme_run: they run with it). The modules in between, mostly one job at a time,
-# run beside the README commands.
+# Run last: they wait for the background's notebooks, and for the README commands (so do the tests marked
+# readme_run: they run with the README test). The modules in between, mostly one job at a time, run beside those.
 LAST = ("test_notebooks.py", "test_readme_commands.py")
 
 
@@ -128,16 +128,18 @@ def run_tour(copy: Path) -> Tour:
 
 @dataclass
 class Background:
-    """What runs beside the tests (None: not needed by the selection): the tour, then the other README commands;
-    beside them the container image's build, in the engine's environment `engine`."""
+    """What runs beside the tests (None: not needed by the selection): the tour, then the other README commands,
+    then the notebooks; beside them the container image's build, in the engine's environment `engine`."""
     tour: Future[Tour] | None
     readmes: Future[dict[str, Run | BaseException]] | None
     image: Future[str] | None = None
     engine: dict[str, str] = field(default_factory=dict)
+    notebooks: Future[dict[str, tuple[list[float], float] | str]] | None = None
+    jupyter: dict[str, str] = field(default_factory=dict)  # the kernels' variables (notebook_runs.kernel_env)
 
     def wait(self) -> None:
         """Until all have ended (their failures are reported by the tests that read them)."""
-        for future in (self.tour, self.readmes, self.image):
+        for future in (self.tour, self.readmes, self.image, self.notebooks):
             if future is not None:
                 future.exception()
 
@@ -173,19 +175,39 @@ def background(forked_launches: None, request: pytest.FixtureRequest,
     readme_tmp = tmp_path_factory.mktemp("readme") if blocks else None
     build = any(item.path.name == "test_containers.py" for item in items) and engine_missing() is None
     engine = engine_env(tmp_path_factory.mktemp("engine")) if build else {}
-    # The tour and the README commands one after the other (each keeps the 2 cores busy alone); the build beside.
+    notebooks = [item.callspec.params["name"] for item in items if item.path.name == "test_notebooks.py"
+                 and item.originalname == "test_notebook_runs_top_to_bottom"]
+    jupyter = kernel_env(tmp_path_factory.mktemp("jupyter")) if notebooks else {}
+    # The tour, the README commands and the notebooks one after the other (each keeps the 2 cores busy alone, or
+    # fills what the modules in the foreground, mostly one job at a time, leave idle); the build beside.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="background") as pool, \
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-build") as builder:
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-build") as builder, \
+            pytest.MonkeyPatch.context() as mp:
+        for var in PROCESS_VARS if notebooks else ():  # before any kernel starts; the launches ignore them
+            mp.setenv(var, jupyter[var])
+        tour = pool.submit(run_tour, tour_copy) if tour_copy else None
         try:
-            yield Background(tour=pool.submit(run_tour, tour_copy) if tour_copy else None,
+            yield Background(tour=tour,
                              readmes=pool.submit(run_docs, blocks, readme_tmp, tour_copy is not None)
                              if blocks else None,
                              image=builder.submit(build_image, engine, tmp_path_factory.mktemp("image"))
-                             if build else None, engine=engine)
+                             if build else None, engine=engine,
+                             notebooks=pool.submit(run_notebooks, notebooks, jupyter, tour) if notebooks else None,
+                             jupyter=jupyter)
         finally:
             if build:  # after the build has ended, whatever happened to it or to the test
                 builder.shutdown(wait=True)
                 remove_everything(engine)
+
+
+def run_notebooks(names: list[str], env: dict[str, str], tour: Future[Tour] | None) -> dict:
+    """notebook_runs.run_all. The notebooks run each stage as the tour does, so a run of the very same command is
+    taken from the session's tour (NOTEBOOK_REUSE, nbtools.run), not launched again: ~10 launches. The tour ran
+    with the GPUs hidden, so only where none is visible to the kernels either."""
+    import torch
+    if tour is not None and not torch.cuda.is_available():
+        env = {**env, "NOTEBOOK_REUSE": str(tour.result().out)}
+    return run_all(names, env)
 
 
 @pytest.fixture(scope="session")
