@@ -19,6 +19,9 @@ of every other script run through torchrun itself. What torchrun does beyond sta
 between nodes, restarts, the agent's monitoring) stays with the real launcher: here, one rank failing stops the
 others (SIGTERM, then SIGKILL after GRACE s, the order torchrun's agent uses; its grace is 30 s), and the exit
 status is 1 for any failure (torchrun's too).
+A forked `python script` that starts processes with mp.spawn (stage 03, the tools that measure several world sizes)
+has its children forked from the server too (SPAWNED): multiprocessing would start each as a fresh interpreter
+importing torch again; test_forkrun compares such a child with Python's own, field by field.
 harness.launch_commands decides which test launches come here, readme_blocks.launch_shims which README commands.
 
 Within a test session even that one import is shared: the session starts a server (`forkrun.py --serve SOCKET`,
@@ -62,13 +65,22 @@ def run_rank(script: str, args: list[str], env: dict[str, str]) -> int:
     os.write(2, IMPORT_STDERR)  # what importing torch printed, as a fresh process prints it
     warnings.filters[:] = FRESH_FILTERS
     os.environ.update(env)
-    sys.argv = [script, *args]  # the script as given: `python script` leaves sys.argv[0] so
-    path = os.path.abspath(script)  # and __file__ absolute, as `python script` gives it
-    sys.path[0] = os.path.dirname(path)  # what `python script` puts first
     main = types.ModuleType("__main__")  # a fresh __main__, the script's
-    main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins,
-                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    if script == "-c":  # `python -c CODE args`: mp.spawn's child (SPAWNED), its code given
+        text, path = args[0], "<string>"
+        sys.argv, sys.path[0] = ["-c", *args[1:]], ""  # as `python -c` sets them
+        main.__dict__.update(__builtins__=builtins, __loader__=importlib.machinery.BuiltinImporter)
+    else:
+        text = None  # read in the try below, as the script's own errors are
+        sys.argv = [script, *args]  # the script as given: `python script` leaves sys.argv[0] so
+        path = os.path.abspath(script)  # and __file__ absolute, as `python script` gives it
+        sys.path[0] = os.path.dirname(path)  # what `python script` puts first
+        main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins,
+                             __loader__=importlib.machinery.SourceFileLoader("__main__", path))
     sys.modules["__main__"] = main
+    if not env and SPAWNED:  # `python script`: its mp.spawn children are forked from the server too (SPAWNED)
+        import multiprocessing
+        multiprocessing.set_executable(SPAWNED)
     if env:  # torchrun starts its workers as `python -u script`: stdout and stderr unbuffered
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=sys.stdout.encoding,
                                       errors=sys.stdout.errors, write_through=True)
@@ -76,8 +88,10 @@ def run_rank(script: str, args: list[str], env: dict[str, str]) -> int:
                                       errors=sys.stderr.errors, write_through=True)
     code = 0
     try:
-        with open(path, "rb") as source:
-            exec(compile(source.read(), path, "exec"), main.__dict__)
+        if text is None:
+            with open(path, "rb") as source:
+                text = source.read()
+        exec(compile(text, path, "exec"), main.__dict__)
     except SystemExit as e:  # sys.exit(2) after a refusal, or sys.exit("message")
         if isinstance(e.code, int) or e.code is None:
             code = e.code or 0
@@ -268,8 +282,44 @@ def real_once_name(launcher: str, script: str) -> str:
     return f"{launcher} {script}".replace("/", "%")
 
 
+# mp.spawn's children, in a served `python script` (run_rank sets multiprocessing's executable to this file's
+# `--spawned`, written by the server beside its socket): multiprocessing starts each child as `python -c
+# "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=T, pipe_handle=P)" --multiprocessing-fork`,
+# with the pipes T and P open. That form is forked from the server, T and P at their numbers, so the child
+# starts from the one import of torch as the script did, and reads its task from the pipe as a fresh child does: it
+# imports the script as __mp_main__ again, and runs the function mp.spawn was given. Any other form (another
+# interpreter flag, the forkserver's start) is Python's own. The parent's Popen waits for this process, which ends
+# as the child does; terminated (mp.spawn stops the others when one fails), it takes the child with it.
+SPAWNED = ""  # the server's executable for them; "" where there is no server
+SPAWN_MAIN = re.compile(r"from multiprocessing\.spawn import spawn_main; "
+                        r"spawn_main\(tracker_fd=(\d+), pipe_handle=(\d+)\)")
+
+
+def spawned(args: list[str]) -> int:
+    """`forkrun.py --spawned ARGS`: multiprocessing's child, forked from the server where its form allows."""
+    *flags, c, prog, fork = args if len(args) >= 3 else ["?"] * 3
+    code = SPAWN_MAIN.fullmatch(prog) if (c, fork) == ("-c", "--multiprocessing-fork") else None
+    if code and flags == server_flags():  # the parent's interpreter flags (sys.flags): a fork keeps the server's
+        served = ask_server(1, PYTHON, "-c", args[-2:], fds=(int(code.group(1)), int(code.group(2))))
+        if served is not None and served < 0:  # killed by a signal: so is this process, as the child was
+            signal.signal(-served, signal.SIG_DFL)
+            os.kill(os.getpid(), -served)
+        if served is not None:
+            return served
+    os.execv(sys.executable, [sys.executable, *args])
+
+
+def server_flags() -> list[str] | None:
+    """The interpreter flags the session's server runs with (as multiprocessing passes them on), if there is one."""
+    with contextlib.suppress(KeyError, OSError, ValueError):
+        return json.loads(Path(f"{os.environ[SERVER]}.env").read_text())["flags"]
+    return None
+
+
 def main() -> int:
     once = os.environ.pop(REAL_ONCE, None)
+    if sys.argv[1] == "--spawned":
+        return spawned(sys.argv[2:])
     if sys.argv[1] == "--torchrun":  # tests/readme_blocks.py's `torchrun`: the form it can run, or torchrun itself
         args = sys.argv[2:]
         if (script := shim_form("torchrun", args)) is None or claimed_first(once, "torchrun", script):
@@ -332,8 +382,9 @@ def comparable(env: dict[str, str], added: dict[str, str] | None = None) -> dict
     return {k: v for k, v in env.items() if k not in JOB_ENV and (added or {}).get(k) != v}
 
 
-def ask_server(nproc: int, port: str, script: str, args: list[str]) -> int | None:
-    """The job's exit status, run by the session's server; None where there is none or its environment differs."""
+def ask_server(nproc: int, port: str, script: str, args: list[str], fds: tuple[int, ...] = ()) -> int | None:
+    """The job's exit status, run by the session's server; None where there is none or its environment differs.
+    `fds`: descriptors beyond stdin, stdout and stderr that the job has at the same numbers (SPAWNED's pipes)."""
     path = os.environ.get(SERVER)
     try:
         server = json.loads(Path(f"{path}.env").read_text()) if path else None
@@ -349,15 +400,21 @@ def ask_server(nproc: int, port: str, script: str, args: list[str]) -> int | Non
     except OSError:
         return None
     request = {"nproc": nproc, "port": port, "script": script, "args": args, "cwd": os.getcwd(),
-               "env": dict(os.environ), "ignored": ignored_signals()}
-    socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+               "env": dict(os.environ), "ignored": ignored_signals(), "fds": [0, 1, 2, *fds]}
+    socket.send_fds(conn, [json.dumps(request).encode()], request["fds"])
     reply = conn.recv(16)  # the leader's, once every rank has ended; nothing if the leader died
     return int(reply) if reply else 1
 
 
 def lead(conn: socket.socket, request: dict, fds: list[int]) -> None:
     """In the server's child: become the launch (its files, directory, environment) and run its ranks."""
-    for target, fd in enumerate(fds):
+    import fcntl
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 100) for fd in [conn.fileno(), *fds]]  # clear of the numbers below
+    conn.close()
+    conn = socket.socket(fileno=high.pop(0))
+    for fd in fds:
+        os.close(fd)
+    for target, fd in zip(request["fds"], high, strict=True):  # each at the launch's number
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request["cwd"])
@@ -377,6 +434,10 @@ def lead(conn: socket.socket, request: dict, fds: list[int]) -> None:
 
 
 def serve(path: str) -> None:
+    global SPAWNED
+    SPAWNED = f"{path}.python"
+    Path(SPAWNED).write_text(f'#!/bin/sh\nexec {sys.executable} {os.path.abspath(__file__)} --spawned "$@"\n')
+    os.chmod(SPAWNED, 0o755)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     before = comparable(dict(os.environ))  # what torch reads as it is imported
     imported()
@@ -387,7 +448,9 @@ def serve(path: str) -> None:
     listener.bind(path)
     listener.listen(64)
     # The modules the ranks start with (test_forkrun checks that no script uses one of them without importing it).
-    Path(f"{path}.env.tmp").write_text(json.dumps({"env": before, "added": added, "modules": sorted(sys.modules)}))
+    import subprocess
+    Path(f"{path}.env.tmp").write_text(json.dumps({"env": before, "added": added, "modules": sorted(sys.modules),
+                                                   "flags": subprocess._args_from_interpreter_flags()}))
     os.rename(f"{path}.env.tmp", f"{path}.env")  # clients read it first: whole or not at all
     session = os.getppid()
     while True:
@@ -399,7 +462,7 @@ def serve(path: str) -> None:
         if not select.select([listener], [], [], 1.0)[0]:
             continue
         conn, _ = listener.accept()
-        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 8)
         if os.fork() == 0:
             listener.close()
             try:

@@ -399,6 +399,48 @@ def test_the_comparison_sees_a_planted_difference(starts, sees_script, tmp_path)
     assert differences(real, {**real, "modules": [*real["modules"], "not.imported.anywhere"]}, server)
 
 
+# SEES in mp.spawn's children (stage 03's launch): each child imports the script again as __mp_main__, and records
+# there; a `-c` __main__ has no __file__. A second argument makes child 1 fail after recording.
+SPAWNS = SEES.replace("main.__file__, main.__package__, main.__spec__, main.__cached__",
+                      'getattr(main, "__file__", None), main.__package__, main.__spec__, '
+                      'getattr(main, "__cached__", None)').replace(
+    "f\"rank{os.environ.get('RANK', '-')}.json\"", 'f"{__name__}{os.getpid()}.json"') + textwrap.dedent("""\
+    def child(index):
+        if index == 1 and len(sys.argv) > 2:
+            raise ValueError("planted in child 1")
+    if __name__ == "__main__":
+        import torch.multiprocessing as mp
+        mp.spawn(child, nprocs=2)
+    """)
+
+
+def test_a_forked_mp_spawn_child_starts_as_a_real_one(sees_script, tmp_path):
+    """A served `python script` forks mp.spawn's children from the server too (forkrun.SPAWNED): each must start as
+    Python's own child does (the fields test_a_forked_rank_starts_as_a_real_one compares), be forked (it has the
+    server's torch._dynamo, which a fresh child never imports), and a child that fails must fail the job with its
+    traceback, the other ended, nothing left behind."""
+    assert SPAWNS.count("getattr(main") == 2 and '{__name__}{os.getpid()}' in SPAWNS  # the replacements took
+    path, out = tmp_path / "spawns.py", sees_script[1]
+    path.write_text(SPAWNS)
+    children = {}
+    for how in ("real", "forked"):
+        cmds = [[sys.executable, str(path), str(out)]]
+        run = run_job([["nohup", *c] for c in (forked(cmds) if how == "forked" else cmds)], env=ONE_THREAD,
+                      timeout=120)
+        assert run.returncode == 0 and not run.survivors, run.describe()
+        children[how] = [json.loads(p.read_text()) for p in sorted(out.glob("__mp_main__*.json"))]
+        for p in out.glob("*.json"):
+            p.unlink()
+        assert len(children[how]) == 2, (how, run.describe())
+    server = server_record()
+    for r, f in zip(children["real"], children["forked"], strict=True):
+        assert r["name"] == "__mp_main__" and not (found := differences(r, f, server)), found
+        assert "torch._dynamo" in f["modules"] and "torch._dynamo" not in r["modules"]  # forked, from the server
+    failing = run_job(forked([[sys.executable, str(path), str(out), "fail"]]), env=ONE_THREAD, timeout=120)
+    assert failing.returncode == 1 and "ValueError: planted in child 1" in failing.stderr, failing.describe()
+    assert not failing.survivors, failing.describe()
+
+
 def test_what_importing_torch_prints_reaches_each_rank(tmp_path):
     """A fresh rank prints torch's import-time warnings on its own stderr; a forked rank, whose torch was imported
     before it existed, prints what that import printed (forkrun.IMPORT_STDERR). Planted: a copy of forkrun whose
