@@ -178,6 +178,8 @@ def background(forked_launches: None, request: pytest.FixtureRequest,
     notebooks = [item.callspec.params["name"] for item in items if item.path.name == "test_notebooks.py"
                  and item.originalname == "test_notebook_runs_top_to_bottom"]
     jupyter = kernel_env(tmp_path_factory.mktemp("jupyter")) if notebooks else {}
+    if notebooks and tour_copy is None:  # they take the tour's runs of their commands (run_notebooks)
+        tour_copy = repo_copy(tmp_path_factory.mktemp("tour"))
     # The tour, the README commands and the notebooks one after the other (each keeps the 2 cores busy alone, or
     # fills what the modules in the foreground, mostly one job at a time, leave idle); the build beside.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="background") as pool, \

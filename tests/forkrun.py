@@ -285,7 +285,8 @@ def real_once_name(launcher: str, script: str) -> str:
 # mp.spawn's children, in a served `python script` (run_rank sets multiprocessing's executable to this file's
 # `--spawned`, written by the server beside its socket): multiprocessing starts each child as `python -c
 # "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=T, pipe_handle=P)" --multiprocessing-fork`,
-# with the pipes T and P open. That form is forked from the server, T and P at their numbers, so the child
+# with the pipes T and P open, and any other the parent passed. That form is forked from the server, each
+# descriptor at its number, so the child
 # starts from the one import of torch as the script did, and reads its task from the pipe as a fresh child does: it
 # imports the script as __mp_main__ again, and runs the function mp.spawn was given. Any other form (another
 # interpreter flag, the forkserver's start) is Python's own. The parent's Popen waits for this process, which ends
@@ -300,13 +301,24 @@ def spawned(args: list[str]) -> int:
     *flags, c, prog, fork = args if len(args) >= 3 else ["?"] * 3
     code = SPAWN_MAIN.fullmatch(prog) if (c, fork) == ("-c", "--multiprocessing-fork") else None
     if code and flags == server_flags():  # the parent's interpreter flags (sys.flags): a fork keeps the server's
-        served = ask_server(1, PYTHON, "-c", args[-2:], fds=(int(code.group(1)), int(code.group(2))))
+        # Every descriptor the parent passed (spawn's pipes, and any a queue or a connection in the function's
+        # arguments added): the child finds each at its number. Nothing else is open here above stderr.
+        passed = [fd for fd in sorted(int(name) for name in os.listdir("/proc/self/fd")) if fd > 2 and valid(fd)]
+        served = ask_server(1, PYTHON, "-c", args[-2:], fds=tuple(passed))
         if served is not None and served < 0:  # killed by a signal: so is this process, as the child was
             signal.signal(-served, signal.SIG_DFL)
             os.kill(os.getpid(), -served)
         if served is not None:
             return served
     os.execv(sys.executable, [sys.executable, *args])
+
+
+def valid(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:  # the listing's own, closed since
+        return False
+    return True
 
 
 def server_flags() -> list[str] | None:
@@ -462,7 +474,7 @@ def serve(path: str) -> None:
         if not select.select([listener], [], [], 1.0)[0]:
             continue
         conn, _ = listener.accept()
-        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 8)
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 64)
         if os.fork() == 0:
             listener.close()
             try:

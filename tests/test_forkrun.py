@@ -405,12 +405,15 @@ SPAWNS = SEES.replace("main.__file__, main.__package__, main.__spec__, main.__ca
                       'getattr(main, "__file__", None), main.__package__, main.__spec__, '
                       'getattr(main, "__cached__", None)').replace(
     "f\"rank{os.environ.get('RANK', '-')}.json\"", 'f"{__name__}{os.getpid()}.json"') + textwrap.dedent("""\
-    def child(index):
+    def child(index, queue):
+        queue.put(index)  # a pipe in the function's arguments: passed as a descriptor, at its number
         if index == 1 and len(sys.argv) > 2:
             raise ValueError("planted in child 1")
     if __name__ == "__main__":
         import torch.multiprocessing as mp
-        mp.spawn(child, nprocs=2)
+        queue = mp.get_context("spawn").SimpleQueue()
+        mp.spawn(child, args=(queue,), nprocs=2)
+        print("queued", sorted(queue.get() for _ in range(2)))
     """)
 
 
@@ -427,7 +430,7 @@ def test_a_forked_mp_spawn_child_starts_as_a_real_one(sees_script, tmp_path):
         cmds = [[sys.executable, str(path), str(out)]]
         run = run_job([["nohup", *c] for c in (forked(cmds) if how == "forked" else cmds)], env=ONE_THREAD,
                       timeout=120)
-        assert run.returncode == 0 and not run.survivors, run.describe()
+        assert run.returncode == 0 and not run.survivors and "queued [0, 1]" in run.stdout, run.describe()
         children[how] = [json.loads(p.read_text()) for p in sorted(out.glob("__mp_main__*.json"))]
         for p in out.glob("*.json"):
             p.unlink()
