@@ -286,11 +286,11 @@ def real_once_name(launcher: str, script: str) -> str:
 # `--spawned`, written by the server beside its socket): multiprocessing starts each child as `python -c
 # "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=T, pipe_handle=P)" --multiprocessing-fork`,
 # with the pipes T and P open, and any other the parent passed. That form is forked from the server, each
-# descriptor at its number, so the child
-# starts from the one import of torch as the script did, and reads its task from the pipe as a fresh child does: it
-# imports the script as __mp_main__ again, and runs the function mp.spawn was given. Any other form (another
-# interpreter flag, the forkserver's start) is Python's own. The parent's Popen waits for this process, which ends
-# as the child does; terminated (mp.spawn stops the others when one fails), it takes the child with it.
+# descriptor at its number, so the child starts from the one import of torch as the script did, and reads its task
+# from the pipe as a fresh child does: it imports the script as __mp_main__ again, and runs the function mp.spawn
+# was given. Any other form (another interpreter flag, the forkserver's start) is Python's own. The parent's Popen
+# waits for this process, which ends as the child does; terminated (mp.spawn stops the others when one fails), it
+# takes the child with it (the leader kills it: a child's own SIGTERM handler would not run, as it would there).
 SPAWNED = ""  # the server's executable for them; "" where there is no server
 SPAWN_MAIN = re.compile(r"from multiprocessing\.spawn import spawn_main; "
                         r"spawn_main\(tracker_fd=(\d+), pipe_handle=(\d+)\)")
@@ -448,7 +448,9 @@ def lead(conn: socket.socket, request: dict, fds: list[int]) -> None:
 def serve(path: str) -> None:
     global SPAWNED
     SPAWNED = f"{path}.python"
-    Path(SPAWNED).write_text(f'#!/bin/sh\nexec {sys.executable} {os.path.abspath(__file__)} --spawned "$@"\n')
+    import shlex
+    Path(SPAWNED).write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} "
+                             f'{shlex.quote(os.path.abspath(__file__))} --spawned "$@"\n')
     os.chmod(SPAWNED, 0o755)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     before = comparable(dict(os.environ))  # what torch reads as it is imported
