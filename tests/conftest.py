@@ -177,7 +177,8 @@ def background(forked_launches: None, request: pytest.FixtureRequest,
     engine = engine_env(tmp_path_factory.mktemp("engine")) if build else {}
     notebooks = [item.callspec.params["name"] for item in items if item.path.name == "test_notebooks.py"
                  and item.originalname == "test_notebook_runs_top_to_bottom"]
-    jupyter = kernel_env(tmp_path_factory.mktemp("jupyter")) if notebooks else {}
+    kernels = notebooks or any("jupyter_env" in item.fixturenames for item in items)  # test_notebooks' own kernel
+    jupyter = kernel_env(tmp_path_factory.mktemp("jupyter")) if kernels else {}
     if notebooks and tour_copy is None:  # they take the tour's runs of their commands (run_notebooks)
         tour_copy = repo_copy(tmp_path_factory.mktemp("tour"))
     # The tour, the README commands and the notebooks one after the other (each keeps the 2 cores busy alone, or
@@ -185,7 +186,7 @@ def background(forked_launches: None, request: pytest.FixtureRequest,
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="background") as pool, \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-build") as builder, \
             pytest.MonkeyPatch.context() as mp:
-        for var in PROCESS_VARS if notebooks else ():  # before any kernel starts; the launches ignore them
+        for var in PROCESS_VARS if kernels else ():  # before any kernel starts; the launches ignore them
             mp.setenv(var, jupyter[var])
         tour = pool.submit(run_tour, tour_copy) if tour_copy else None
         try:

@@ -300,11 +300,12 @@ def spawned(args: list[str]) -> int:
     """`forkrun.py --spawned ARGS`: multiprocessing's child, forked from the server where its form allows."""
     *flags, c, prog, fork = args if len(args) >= 3 else ["?"] * 3
     code = SPAWN_MAIN.fullmatch(prog) if (c, fork) == ("-c", "--multiprocessing-fork") else None
-    if code and flags == server_flags():  # the parent's interpreter flags (sys.flags): a fork keeps the server's
+    if code:
         # Every descriptor the parent passed (spawn's pipes, and any a queue or a connection in the function's
         # arguments added): the child finds each at its number. Nothing else is open here above stderr.
         passed = [fd for fd in sorted(int(name) for name in os.listdir("/proc/self/fd")) if fd > 2 and valid(fd)]
-        served = ask_server(1, PYTHON, "-c", args[-2:], fds=tuple(passed))
+        # The parent's interpreter flags (sys.flags), which a fork keeps: served only if they are the server's.
+        served = ask_server(1, PYTHON, "-c", args[-2:], fds=tuple(passed), flags=flags)
         if served is not None and served < 0:  # killed by a signal: so is this process, as the child was
             signal.signal(-served, signal.SIG_DFL)
             os.kill(os.getpid(), -served)
@@ -319,13 +320,6 @@ def valid(fd: int) -> bool:
     except OSError:  # the listing's own, closed since
         return False
     return True
-
-
-def server_flags() -> list[str] | None:
-    """The interpreter flags the session's server runs with (as multiprocessing passes them on), if there is one."""
-    with contextlib.suppress(KeyError, OSError, ValueError):
-        return json.loads(Path(f"{os.environ[SERVER]}.env").read_text())["flags"]
-    return None
 
 
 def main() -> int:
@@ -394,13 +388,15 @@ def comparable(env: dict[str, str], added: dict[str, str] | None = None) -> dict
     return {k: v for k, v in env.items() if k not in JOB_ENV and (added or {}).get(k) != v}
 
 
-def ask_server(nproc: int, port: str, script: str, args: list[str], fds: tuple[int, ...] = ()) -> int | None:
+def ask_server(nproc: int, port: str, script: str, args: list[str], fds: tuple[int, ...] = (),
+               flags: list[str] | None = None) -> int | None:
     """The job's exit status, run by the session's server; None where there is none or its environment differs.
-    `fds`: descriptors beyond stdin, stdout and stderr that the job has at the same numbers (SPAWNED's pipes)."""
+    `fds`: descriptors beyond stdin, stdout and stderr that the job has at the same numbers (SPAWNED's pipes);
+    `flags`: the interpreter flags the job must start with (SPAWNED's), None for any: a fork has the server's."""
     path = os.environ.get(SERVER)
     try:
         server = json.loads(Path(f"{path}.env").read_text()) if path else None
-        if server is None:
+        if server is None or flags is not None and flags != server["flags"]:
             return None
         mine = comparable(dict(os.environ), server["added"])
         if differs := sorted(k for k in {*mine, *server["env"]} if mine.get(k) != server["env"].get(k)):

@@ -18,7 +18,7 @@ import pytest
 from jupytext.compare import NotebookDifference, compare_notebooks
 
 from harness import STAGES
-from notebook_runs import NB_DIR, PROCESS_VARS, NotebookFailed, execute, kernel_env
+from notebook_runs import NB_DIR, NotebookFailed, execute
 
 NOTEBOOKS = sorted(p.stem for p in NB_DIR.glob("*.ipynb"))
 HELPERS = {"nbtools.py"}  # plain modules the notebooks import: no .ipynb twin
@@ -31,17 +31,11 @@ def check_pair(ipynb: Path, text: Path) -> None:
 
 
 @pytest.fixture(scope="session")
-def jupyter_env(background, tmp_path_factory: pytest.TempPathFactory):
-    """Kernel variables; the same set in this process, where jupyter_client writes the connection files (set for
-    the session by conftest.background where the notebooks run; here, where only the executor's test does)."""
-    if background.jupyter:
-        yield background.jupyter
-        return
-    env = kernel_env(tmp_path_factory.mktemp("jupyter"))
-    with pytest.MonkeyPatch.context() as mp:
-        for var in PROCESS_VARS:
-            mp.setenv(var, env[var])
-        yield env
+def jupyter_env(background) -> dict[str, str]:
+    """Kernel variables; the same set in this process, where jupyter_client writes the connection files (for the
+    whole session: conftest.background)."""
+    assert background.jupyter, "conftest.background set no kernel variables: no test asking for them was selected?"
+    return background.jupyter
 
 
 def test_a_notebook_for_every_stage():
