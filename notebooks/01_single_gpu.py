@@ -45,7 +45,7 @@ nb.show_outline("01_single_gpu")
 # %% [markdown]
 # ## Run it
 #
-# Batch 64, the script's default 20 epochs, in float64 (as the tour runs it). The script prints one
+# Batch 64, 5 epochs, in float64, as the tour runs it (the script's default is 20 epochs). The script prints one
 # line per epoch and the held-out result, and writes three files into the `--out` directory:
 # `summary.json`, `model.pt`, and `trajectory.pt`, the weights and SGD momentum at the start and after
 # every epoch. The later notebooks replay each epoch of a stage's run from that file with this stage's

@@ -80,10 +80,10 @@ nb.show_diff("05_multinode", "06_checkpoint")
 #
 # Three runs of two workers each, all with `--snapshot`:
 #
-# 1. **uninterrupted**: the 20 epochs in one go;
-# 2. **stopped**: the same, but it stops after epoch 4 (`--epochs 4`), leaving its snapshot behind;
+# 1. **uninterrupted**: the tour's 5 epochs in one go;
+# 2. **stopped**: the same, but it stops after epoch 2 (`--epochs 2`), leaving its snapshot behind;
 # 3. **resumed**: the same command as 1 with the snapshot of run 2: it finds the snapshot, says so,
-#    and trains epochs 5 to 20 only.
+#    and trains epochs 3 to 5 only.
 #
 # The snapshot is deleted first, so that a previous execution of this notebook cannot be resumed from.
 
@@ -93,11 +93,11 @@ step = cfg.step("06_checkpoint")
 whole = nb.run(step, "06_uninterrupted", quiet=True)
 snapshot = nb.RUNS / "06_snapshot.pt"
 snapshot.unlink(missing_ok=True)
-stopped = nb.run(nb.with_args(step, epochs=4, snapshot=snapshot), "06_stopped")
+stopped = nb.run(nb.with_args(step, epochs=2, snapshot=snapshot), "06_stopped")
 resumed = nb.run(nb.with_args(step, snapshot=snapshot), "06_resumed")
 
 # %% [markdown]
-# The resumed run's log starts with `resumed from … after epoch 4` and then prints epochs 5 to 20.
+# The resumed run's log starts with `resumed from … after epoch 2` and then prints epochs 3 to 5.
 # Inside the snapshot the stopped run left (and which the resumed one then updated):
 
 # %%
@@ -114,9 +114,9 @@ print({k: (v if k in ("epochs_run", "steps", "seed", "global_batch") else type(v
 exact = nb.max_abs_diff(whole.model, resumed.model)
 print(f"max |Δw| resumed vs uninterrupted: {exact}")
 assert exact == 0.0 and resumed.summary["losses"] == whole.summary["losses"], "resuming changed the result"
-runs = {"06 uninterrupted": whole, "06 stopped after 4": stopped, "06 resumed from 4": resumed}
+runs = {"06 uninterrupted": whole, "06 stopped after 2": stopped, "06 resumed from 2": resumed}
 diffs = nb.compare(ref, runs)
-assert max(diffs[k] for k in ("06 uninterrupted", "06 resumed from 4")) <= nb.ATOL, diffs
+assert max(diffs[k] for k in ("06 uninterrupted", "06 resumed from 2")) <= nb.ATOL, diffs
 nb.plot_runs(ref, runs, "06 over 01: stopped, resumed, one curve", ref_label="01, 1 × 64")
 
 # %% [markdown]

@@ -123,7 +123,7 @@ lesson_diff("ddp_by_hand/naive.py", "ddp_by_hand/bucketed.py")
 # %% [markdown]
 # ## Run both, against stage 01 and stage 04's DDP
 #
-# With the tour's settings (2 ranks of 32, float64, 20 epochs), next to stage 01 at batch 64 and stage 04. The
+# With the tour's settings (2 ranks of 32, float64, 5 epochs), next to stage 01 at batch 64 and stage 04. The
 # scripts keep the stages' `--out` files, so the tour's check applies as it is: every recorded epoch is replayed
 # with stage 01's code.
 

@@ -8,8 +8,8 @@ reports any process that outlived the launcher.
 
 Runs go to runs/notebooks/ in the repository (ignored by git), or to $NOTEBOOK_RUNS if it is set
 (the tests point it at a temporary directory, one for all the notebooks, so they share stage 01's
-reference run: `reference()`). The stages run as the tour runs them (`plan()`, the stages' default
-20 epochs): where $NOTEBOOK_REUSE names the folder of a `tour.py --out` (the tests set it), a run of
+reference run: `reference()`). The stages run as the tour runs them (`plan()`, the tour's 5
+epochs): where $NOTEBOOK_REUSE names the folder of a `tour.py --out` (the tests set it), a run of
 the very same command is taken from there instead of being launched again, and the notebook says so.
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tour import (  # noqa: E402  (after the path is set)
+    EPOCHS,
     TORCHRUN,
     Run,
     Step,
@@ -44,8 +45,8 @@ from tour import (  # noqa: E402  (after the path is set)
 
 RUNS = Path(os.environ.get("NOTEBOOK_RUNS") or ROOT / "runs" / "notebooks")
 REUSE = os.environ.get("NOTEBOOK_REUSE")  # a `tour.py --out` folder whose runs stand for the same commands here
-# 2 processes of batch 32 = global batch 64; EPOCHS None: the stages' default (20), as in the tour
-WORLD, BATCH, EPOCHS, DTYPE = 2, 32, None, "float64"
+# 2 processes of batch 32 = global batch 64, the tour's EPOCHS (5; the stages train 20 by default)
+WORLD, BATCH, DTYPE = 2, 32, "float64"
 ATOL = tolerance(DTYPE)  # the tour's: sqrt(eps) of float64 (README.md: "Same weights, up to rounding")
 __all__ = ["ATOL", "BATCH", "DTYPE", "EPOCHS", "ROOT", "RUNS", "TORCHRUN", "WORLD", "Run", "Setup", "Step", "compare",
            "held_out_by_01", "load_stage", "max_abs_diff", "plot_runs", "reference", "replay_error", "run", "setup",
@@ -100,9 +101,8 @@ def setup() -> Setup:
     gpus = torch.cuda.device_count()
     device = "cpu" if gpus == 1 else "auto"  # auto: the GPUs, or the CPU where there are none (the tour's flag)
     where = f"{gpus} GPUs: nccl" if gpus >= 2 else "the CPU: gloo" + (" (1 GPU is not enough to split)" if gpus else "")
-    epochs = "the stages' default epochs (20)" if EPOCHS is None else f"{EPOCHS} epochs"
     print(f"torch {torch.__version__} | {where} | world size {WORLD}, batch {BATCH} per process "
-          f"= {WORLD * BATCH} global | {epochs} | {DTYPE} | runs in {RUNS}")
+          f"= {WORLD * BATCH} global | {EPOCHS} epochs | {DTYPE} | runs in {RUNS}")
     return Setup(gpus, device, tuple(plan(WORLD, BATCH, EPOCHS, device, DTYPE, gpus if gpus >= 2 else 0)))
 
 

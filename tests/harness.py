@@ -229,7 +229,7 @@ def assert_same_training(run: Run, reference: Run) -> None:
 
     Every recorded epoch replays with stage 01's code to within sqrt(eps) of the run's dtype, and
     the final weights are within it of `reference` (stage 01 at the same global batch). In float64
-    at the suite's settings (20 epochs, lr 0.05) the final gap is ~1e-14: 1e6 below the tolerance,
+    at the suite's settings (the tour's 5 epochs, lr 0.05) the final gap is ~1e-15: 1e7 below the tolerance,
     and no bug stays under it (the negative controls in test_equivalence.py differ by > 1e-3).
     """
     s = run.summary

@@ -25,44 +25,47 @@ from harness import (
 )
 
 STAGE = "06_checkpoint"
+FIRST = 2  # epochs in the snapshot: runs["06"] trains the tour's 5 in one go
 
 
 @pytest.fixture(scope="module")
-def snapshot_after_8_epochs(tmp_path_factory) -> bytes:
-    """Stage 06 stopped after 8 of the 20 epochs of runs["06"]: the snapshot it left."""
-    tmp = tmp_path_factory.mktemp("snapshot8")
-    first = check(launch(with_args(CONFIGS["06"], "--snapshot", str(tmp / "s.pt"), "--epochs", "8"), out=tmp))
+def snapshot_after_2_epochs(tmp_path_factory) -> bytes:
+    """Stage 06 stopped after FIRST of the epochs of runs["06"]: the snapshot it left."""
+    tmp = tmp_path_factory.mktemp("snapshot")
+    first = check(launch(with_args(CONFIGS["06"], "--snapshot", str(tmp / "s.pt"), "--epochs", str(FIRST)), out=tmp))
     assert "resumed" not in first.stdout
     return (tmp / "s.pt").read_bytes()
 
 
-def test_resume_is_exact(runs, snapshot_after_8_epochs, tmp_path):
-    full = runs["06"]  # 20 epochs, uninterrupted
+def test_resume_is_exact(runs, snapshot_after_2_epochs, tmp_path):
+    full = runs["06"]  # the tour's epochs, uninterrupted
     snapshot = tmp_path / "snapshot.pt"
-    snapshot.write_bytes(snapshot_after_8_epochs)
+    snapshot.write_bytes(snapshot_after_2_epochs)
     second = check(launch(with_args(CONFIGS["06"], "--snapshot", str(snapshot)), out=tmp_path / "b"))
-    assert "resumed from" in second.stdout and "after epoch 8" in second.stdout
-    assert second.summary["resumed_from_epoch"] == 8
-    assert second.summary["losses"] == full.summary["losses"]  # the first 8 come from the snapshot
+    assert "resumed from" in second.stdout and f"after epoch {FIRST}" in second.stdout
+    assert second.summary["resumed_from_epoch"] == FIRST
+    assert second.summary["losses"] == full.summary["losses"]  # the first FIRST come from the snapshot
     assert second.summary["steps"] == full.summary["steps"]
     assert max_abs_diff(second.model, full.model) == 0.0
-    for resumed, uninterrupted in zip(second.trajectory, full.trajectory[8:], strict=True):  # the very states
+    for resumed, uninterrupted in zip(second.trajectory, full.trajectory[FIRST:], strict=True):  # the very states
         assert resumed["epoch"] == uninterrupted["epoch"]
         assert all(map(torch.equal, resumed["params"] + resumed["momentum"],
                        uninterrupted["params"] + uninterrupted["momentum"]))
 
 
-def test_a_finished_snapshot_says_there_is_nothing_to_train(snapshot_after_8_epochs, tmp_path):
+def test_a_finished_snapshot_says_there_is_nothing_to_train(snapshot_after_2_epochs, tmp_path):
     """Resumed at (or past) --epochs, the run trains nothing: it says so in one line, with the --epochs that trains
     more, instead of ending silently as if it had trained. (One process of batch 64: the snapshot's global batch.)"""
     snapshot = tmp_path / "s.pt"
-    snapshot.write_bytes(snapshot_after_8_epochs)
-    args = ("--device", "cpu", "--dtype", "float64", "--batch-size", "64", "--epochs", "8", "--snapshot", str(snapshot))
+    snapshot.write_bytes(snapshot_after_2_epochs)
+    args = ("--device", "cpu", "--dtype", "float64", "--batch-size", "64", "--epochs", str(FIRST),
+            "--snapshot", str(snapshot))
     run = check(launch(Step(STAGE, "python", args)))
-    assert "after epoch 8" in run.stdout and "epoch 9/" not in run.stdout, run.stdout
+    assert f"after epoch {FIRST}" in run.stdout and f"epoch {FIRST + 1}/" not in run.stdout, run.stdout
     told = [line for line in run.stdout.splitlines() if line.startswith("nothing to train")]
-    assert len(told) == 1 and "--epochs is 8" in told[0] and "pass --epochs 18" in told[0], run.stdout
-    assert snapshot.read_bytes() == snapshot_after_8_epochs  # nothing trained, nothing saved
+    assert len(told) == 1 and f"--epochs is {FIRST}" in told[0] and f"pass --epochs {FIRST + 10}" in told[0], \
+        run.stdout
+    assert snapshot.read_bytes() == snapshot_after_2_epochs  # nothing trained, nothing saved
 
 
 def _epochs_in(snapshot: Path) -> int:
@@ -72,16 +75,22 @@ def _epochs_in(snapshot: Path) -> int:
         return 0
 
 
-def test_killed_workers_are_restarted_and_resume_exactly(runs, tmp_path):
-    """Three SIGKILLs, each after a new snapshot, alternating ranks: the job still ends at the same weights."""
+KILLS = [(1, 1), (3, 0), (5, 1)]  # (epochs in the snapshot, rank killed then)
+LONG = 10  # the killed job's epochs: the last kill leaves it 5 more to train, so the job does not end before it
+
+
+def test_killed_workers_are_restarted_and_resume_exactly(tmp_path):
+    """Three SIGKILLs, each after a new snapshot, alternating ranks: the job still ends at the weights of the same job
+    uninterrupted."""
+    whole = check(launch(with_args(CONFIGS["06"], "--epochs", str(LONG)), out=tmp_path / "whole"))
     snapshot = tmp_path / "snapshot.pt"
-    step = with_args(CONFIGS["06"], "--snapshot", str(snapshot))
+    step = with_args(CONFIGS["06"], "--epochs", str(LONG), "--snapshot", str(snapshot))
     step = replace(step, torchrun_args=("--max-restarts=3",))
     kills: list[tuple[int, int]] = []  # (epochs in the snapshot, rank killed)
     errors: list[str] = []
 
     def killer(job: Job) -> None:  # runs beside the job
-        for target, rank in [(2, 1), (6, 0), (10, 1)]:
+        for target, rank in KILLS:
             while _epochs_in(snapshot) < target:  # mid-training: after this attempt saved a new epoch
                 if job.ended.is_set():
                     errors.append(f"the job ended before the snapshot reached epoch {target}")
@@ -100,8 +109,8 @@ def test_killed_workers_are_restarted_and_resume_exactly(runs, tmp_path):
     assert run.stdout.count("resumed from") == 3, run.stdout
     assert "(torchrun restart 3)" in run.stdout
     assert run.summary["restart_count"] == 3
-    assert run.summary["losses"] == runs["06"].summary["losses"]
-    assert max_abs_diff(run.model, runs["06"].model) == 0.0
+    assert len(run.summary["losses"]) == LONG and run.summary["losses"] == whole.summary["losses"]
+    assert max_abs_diff(run.model, whole.model) == 0.0
 
 
 def test_snapshot_model_loads_into_stage_01(tmp_path):
@@ -113,12 +122,12 @@ def test_snapshot_model_loads_into_stage_01(tmp_path):
     assert not list(tmp_path.glob("*.tmp")), "the temporary file of the atomic save was left behind"
 
 
-def test_stage_07_resumes_from_a_stage_06_snapshot(runs, snapshot_after_8_epochs, tmp_path):
+def test_stage_07_resumes_from_a_stage_06_snapshot(runs, snapshot_after_2_epochs, tmp_path):
     """The split model has the same state_dict keys, so 06's snapshot format carries over."""
     snapshot = tmp_path / "snapshot.pt"
-    snapshot.write_bytes(snapshot_after_8_epochs)
+    snapshot.write_bytes(snapshot_after_2_epochs)
     run = check(launch(with_args(CONFIGS["07"], "--snapshot", str(snapshot)), out=tmp_path / "out"))
-    assert "after epoch 8" in run.stdout and run.summary["resumed_from_epoch"] == 8
-    assert run.summary["losses"][:8] == runs["06"].summary["losses"][:8]
-    assert run.trajectory[0]["epoch"] == 8  # the replay checks the epochs 07 trained itself
+    assert f"after epoch {FIRST}" in run.stdout and run.summary["resumed_from_epoch"] == FIRST
+    assert run.summary["losses"][:FIRST] == runs["06"].summary["losses"][:FIRST]
+    assert run.trajectory[0]["epoch"] == FIRST  # the replay checks the epochs 07 trained itself
     assert_same_training(run, runs["01"])

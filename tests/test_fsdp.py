@@ -33,6 +33,7 @@ from harness import (
 )
 
 STAGE = "08_fsdp"
+FIRST = 2  # epochs in the checkpoint the resume tests start from: runs["08"] trains the tour's EPOCHS in one go
 UNITS = 2  # fully_shard on `body` and on `head`; the root holds no parameter of its own, so it gathers nothing
 TOL = tolerance(DTYPE)
 
@@ -86,10 +87,10 @@ def test_gradients_summed_instead_of_averaged_fail(runs, tmp_path):
 # --- sharded checkpoints ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def checkpoint_after_8_epochs(tmp_path_factory) -> Path:
-    """Stage 08 on W ranks stopped after 8 epochs: the checkpoint directory it left (copy it before use)."""
-    tmp = tmp_path_factory.mktemp("checkpoint8")
-    check(launch(with_args(CONFIGS["08"], "--snapshot", str(tmp / "ck"), "--epochs", "8")))
+def checkpoint_after_2_epochs(tmp_path_factory) -> Path:
+    """Stage 08 on W ranks stopped after FIRST epochs: the checkpoint directory it left (copy it before use)."""
+    tmp = tmp_path_factory.mktemp("checkpoint")
+    check(launch(with_args(CONFIGS["08"], "--snapshot", str(tmp / "ck"), "--epochs", str(FIRST))))
     return tmp / "ck"
 
 
@@ -97,10 +98,10 @@ def copy_of(checkpoint: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(checkpoint, tmp_path / "ck"))
 
 
-def test_every_rank_writes_its_own_shards(checkpoint_after_8_epochs):
+def test_every_rank_writes_its_own_shards(checkpoint_after_2_epochs):
     """One file per rank, each holding that rank's piece of every parameter: no rank gathered the model to save."""
-    (last,) = checkpoint_after_8_epochs.iterdir()  # the older checkpoints were removed once this one was complete
-    assert last.name == "epoch_0008"
+    (last,) = checkpoint_after_2_epochs.iterdir()  # the older checkpoints were removed once this one was complete
+    assert last.name == f"epoch_{FIRST:04d}"
     files = {f"__{r}_0.distcp" for r in range(W)}
     assert {f.name for f in last.iterdir()} == {".metadata", "progress.json", *files}
     with open(last / ".metadata", "rb") as f:
@@ -110,28 +111,31 @@ def test_every_rank_writes_its_own_shards(checkpoint_after_8_epochs):
         assert sorted(pieces) == sorted(files), (name, pieces)
 
 
-def test_resume_reshards_onto_twice_the_ranks(runs, checkpoint_after_8_epochs, tmp_path):
+def test_resume_reshards_onto_twice_the_ranks(runs, checkpoint_after_2_epochs, tmp_path):
     """Written by 2 ranks of batch 32, resumed by 4 of batch 16 (the same global batch): still stage 01's training."""
-    ck = copy_of(checkpoint_after_8_epochs, tmp_path)
-    step = with_args(with_batch(replace(CONFIGS["08"], nproc=2 * W), B // 2), "--snapshot", str(ck), "--epochs", "10")
+    ck = copy_of(checkpoint_after_2_epochs, tmp_path)
+    step = with_args(with_batch(replace(CONFIGS["08"], nproc=2 * W), B // 2), "--snapshot", str(ck),
+                     "--epochs", str(FIRST + 1))
     run = check(launch(step, out=tmp_path / "out", timeout=time_limit(programs=step.nproc)))
     s = run.summary
-    assert "(written by 2 ranks) after epoch 8" in run.stdout, run.stdout
-    assert (s["world_size"], s["batch_size"], s["global_batch"], s["resumed_from_epoch"]) == (2 * W, B // 2, W * B, 8)
-    assert s["losses"][:8] == runs["08"].summary["losses"][:8]
+    assert f"(written by 2 ranks) after epoch {FIRST}" in run.stdout, run.stdout
+    assert (s["world_size"], s["batch_size"], s["global_batch"], s["resumed_from_epoch"]) == \
+        (2 * W, B // 2, W * B, FIRST)
+    assert s["losses"][:FIRST] == runs["08"].summary["losses"][:FIRST]
     assert replay_error(s, run.trajectory) <= TOL
-    assert max_gap(run.trajectory[-1]["params"], runs["01"].trajectory[10]["params"]) <= TOL
+    assert max_gap(run.trajectory[-1]["params"], runs["01"].trajectory[FIRST + 1]["params"]) <= TOL
     assert [b["params"] for b in s["bytes_per_rank"]] == [s["full_bytes"]["params"] // (2 * W)] * (2 * W)
 
 
-def test_resume_on_one_process(runs, checkpoint_after_8_epochs, tmp_path):
-    """The same checkpoint, resumed by plain `python` (a group of one, batch 64), trained to the end."""
-    ck = copy_of(checkpoint_after_8_epochs, tmp_path)
+def test_resume_on_one_process(runs, checkpoint_after_2_epochs, tmp_path):
+    """The same checkpoint, resumed by plain `python` (a group of one, batch 64), trained to runs["01"]'s end."""
+    ck = copy_of(checkpoint_after_2_epochs, tmp_path)
+    epochs = runs["01"].summary["epochs"]
     run = check(launch(Step(STAGE, "python", ("--device", "cpu", "--dtype", DTYPE, "--batch-size", str(W * B),
-                                              "--snapshot", str(ck))), out=tmp_path / "out"))
-    assert run.summary["resumed_from_epoch"] == 8 and run.summary["world_size"] == 1
+                                              "--epochs", str(epochs), "--snapshot", str(ck))), out=tmp_path / "out"))
+    assert run.summary["resumed_from_epoch"] == FIRST and run.summary["world_size"] == 1
     assert_same_training(run, runs["01"])
-    assert [p.name for p in ck.iterdir()] == ["epoch_0020"]
+    assert [p.name for p in ck.iterdir()] == [f"epoch_{epochs:04d}"]
 
 
 def _epochs_in(directory: Path) -> int:
@@ -141,14 +145,14 @@ def _epochs_in(directory: Path) -> int:
 
 
 def test_killed_worker_is_restarted_and_resumes_exactly(runs, tmp_path):
-    """SIGKILL to rank 1 after the checkpoint of epoch 3: torchrun restarts the group, which ends bit for bit at the
-    weights of the uninterrupted run."""
+    """SIGKILL to rank 1 after the checkpoint of epoch FIRST: torchrun restarts the group, which ends bit for bit at
+    the weights of the uninterrupted run."""
     ck = tmp_path / "ck"
     step = replace(with_args(CONFIGS["08"], "--snapshot", str(ck)), torchrun_args=("--max-restarts=1",))
     kills: list[int] = []
 
     def killer(job: Job) -> None:  # runs beside the job
-        while _epochs_in(ck) < 3 and not job.ended.is_set():
+        while _epochs_in(ck) < FIRST and not job.ended.is_set():
             time.sleep(0.05)
         if (pid := workers(job).get(1)) is not None:
             os.kill(pid, signal.SIGKILL)
@@ -156,7 +160,7 @@ def test_killed_worker_is_restarted_and_resumes_exactly(runs, tmp_path):
 
     run = check(launch(step, out=tmp_path / "out", timeout=time_limit(programs=1 + 2 * step.nproc),  # agent, 2 attempts
                        during=killer))
-    assert len(kills) == 1 and kills[0] >= 3, (kills, run.describe())
+    assert len(kills) == 1 and kills[0] >= FIRST, (kills, run.describe())
     assert f"after epoch {kills[0]} (torchrun restart 1)" in run.stdout, run.stdout
     assert run.summary["restart_count"] == 1
     assert run.summary["losses"] == runs["08"].summary["losses"]

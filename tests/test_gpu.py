@@ -124,9 +124,11 @@ def test_float16_with_grad_scaler_learns_as_stage_01(stage01, tmp_path):
     float32 gradients, the scaler's scale kept finite, and the loss and accuracy of stage 01 (float64, on the GPU)
     within the margins tests/test_recipe_mixed_precision.py measured for bfloat16 (float16 rounds 8x finer)."""
     n = min(2, GPUS)
+    ref = stage01(1).summary  # the tour's epochs: the recipe runs as many (its margins hold in every epoch)
     step = Step("recipes/mixed_precision", "torchrun", ("--device", "cuda", "--batch-size", str(2 * B // n),
-                                                         "--autocast", "float16", "--clip-grad-norm", "1"), nproc=n)
-    s, ref = check(launch(step, tmp_path, env=visible(n), timeout=TIMEOUT)).summary, stage01(1).summary
+                                                         "--autocast", "float16", "--clip-grad-norm", "1",
+                                                         "--epochs", str(ref["epochs"])), nproc=n)
+    s = check(launch(step, tmp_path, env=visible(n), timeout=TIMEOUT)).summary
     assert s["autocast_dtypes"] == {"logits": "torch.float16", "loss": "torch.float32", "grads": ["torch.float32"]}
     assert (s["backend"], s["global_batch"], s["replica_max_abs_diff"]) == ("nccl", ref["global_batch"], 0.0)
     assert math.isfinite(s["grad_scale"]) and s["grad_scale"] >= 1

@@ -1,7 +1,7 @@
 """Stage 10 (pipeline parallelism): every schedule and mesh computes stage 01's training, the hand-written schedules
 are the library's to the bit, a loss scaled twice is caught, and bad settings are refused in one line.
 
-The tour's row (`runs["10"]`: dp 1 x pp 2, 1F1B, 4 micro-batches, 20 epochs) is the library's run; the rest launch
+The tour's row (`runs["10"]`: dp 1 x pp 2, 1F1B, 4 micro-batches, 5 epochs) is the library's run; the rest launch
 by_hand.py at the same settings, dp 2 x pp 2, and a broken copy. Faults (a rank killed or stalled mid-step) are in
 tests/test_faults.py, with every other stage's.
 """
@@ -39,7 +39,7 @@ TOL = tolerance("float64")
 
 @pytest.fixture(scope="module")
 def by_hand(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
-    """by_hand.py at the tour's settings (dp 1 x pp 2, 4 micro-batches, 20 epochs), with each schedule."""
+    """by_hand.py at the tour's settings (dp 1 x pp 2, 4 micro-batches, 5 epochs), with each schedule."""
     return {schedule: check(launch(with_args(CONFIGS["10"], "--schedule", schedule),
                                    out=tmp_path_factory.mktemp(schedule), script=ROOT / STAGE / "by_hand.py"))
             for schedule in ("gpipe", "1f1b")}

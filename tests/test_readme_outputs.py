@@ -16,11 +16,12 @@ README may leave lines out: a line `...`, or "the epoch lines left out"), with:
 - `...` inside a line stands for text cut out of it (a long line, a path); launchers' log lines (`W1123 01:01:27...`,
   torchrun's OMP_NUM_THREADS banner) are not compared: they depend on the environment the command ran in.
 
-Skipped blocks, each with its reason (SKIPPED): diagrams and listings that explain rather than show a run; outputs of
-commands given in the prose, not of a block that runs here (the 800-step GPT run, `tour.py --dtype float32`, a
-session with a killed worker, Slurm's transcript); outputs of blocks that do not run here (GPUs, container builds:
-those blocks carry their own not-run reason); a failure whose messages race between ranks. A test checks that every
-```text block is either compared or skipped with a reason, so a new output block has to be placed in one list.
+Skipped blocks, each with its reason (SKIPPED): diagrams and listings that explain rather than show a run; outputs
+of commands given in the prose, not of a block that runs here (the 800-step GPT run, `tour.py --dtype float32
+--epochs 20`, a session with a killed worker, Slurm's transcript); outputs of blocks that do not run here (GPUs,
+container builds: those blocks carry their own not-run reason); a failure whose messages race between ranks. A test
+checks that every ```text block is either compared or skipped with a reason, so a new output block has to be placed
+in one list.
 
 The tour's block is compared only where the tour runs its Slurm row (Slurm installed, as .ci/run installs it):
 without Slurm the tour prints one row fewer, as it should. The READMEs show what the commands print on a CPU, and their
@@ -174,7 +175,7 @@ SKIPPED = {  # (README, how the block's first line starts): why it is not compar
         "the output of benchmarks/cp_balance.py at its defaults (given in the prose; about a minute), not of a block",
     ("README.md", "01_single_gpu/ … 13_pipeline_4d/"): "the repository's layout",
     ("benchmarks/README.md", "tour: stages 01-09, world size 2, batch 32 per process = 64 global, float32; CPU (gloo)"):
-        "the output of `python tour.py --dtype float32` (20 and 60 epochs, given in the prose), not of the block "
+        "the output of `python tour.py --dtype float32 --epochs 20` (and 60, given in the prose), not of the block "
         "above it",
     ("benchmarks/README.md", "tour: stages 01-10, world size 2, batch 24 per process = 48 global, float32, lr 0.01"):
         "the output of a 45-epoch float32 tour at batch 24 (given in the prose, ~10 minutes), not of a block",

@@ -1,6 +1,6 @@
 """Recipe ddp_options: DDP(static_graph=True, gradient_as_bucket_view=True).
 
-Claims, with both flags on (one launch, 2 ranks x 32, float64, 20 epochs):
+Claims, with both flags on (one launch, 2 ranks x 32, float64, the tour's epochs: runs["01"]'s settings):
 - the training is still stage 01's at the global batch (epoch replay and final weights within sqrt(eps));
 - the gradients live in DDP's bucket: after a step every .grad is a view into one storage, as large as all
   the gradients together and as DDP's buckets, instead of a tensor of its own (the memory saved is the
@@ -13,10 +13,12 @@ from __future__ import annotations
 import pytest
 
 from harness import Run, Step, assert_same_training, check, gradient_bytes, launch
+from tour import EPOCHS
 
 RECIPE = "recipes/ddp_options"
 W, B = 2, 32  # global batch 64: stage 01's in runs["01"]
-ARGS = ("--device", "cpu", "--dtype", "float64", "--batch-size", str(B), "--static-graph", "--gradient-as-bucket-view")
+ARGS = ("--device", "cpu", "--dtype", "float64", "--batch-size", str(B), "--epochs", str(EPOCHS), "--static-graph",
+        "--gradient-as-bucket-view")
 
 
 @pytest.fixture(scope="module")

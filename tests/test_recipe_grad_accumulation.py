@@ -23,10 +23,12 @@ from harness import (
     replay_error,
     tolerance,
 )
+from tour import EPOCHS  # runs["01"]'s
 
 RECIPE = "recipes/grad_accumulation"
 W, B, K = 2, 16, 2  # global batch W*K*B = 64: stage 01's batch in runs["01"]
-ARGS = ("--device", "cpu", "--dtype", "float64", "--batch-size", str(B), "--accumulate", str(K))
+ARGS = ("--device", "cpu", "--dtype", "float64", "--batch-size", str(B), "--accumulate", str(K),
+        "--epochs", str(EPOCHS))
 SYNCED_EPOCHS = 3  # the comparison run needs only a few epochs: it is checked against the trajectory's epoch 3
 # The README's run without no_sync: the test reads what it made (conftest.readme_run) rather than launch it again.
 SYNCED_RUN = (f"torchrun --standalone --nproc_per_node={W} {RECIPE}/train.py --batch-size {B} --accumulate {K} "

@@ -1,6 +1,7 @@
 """Recipe mixed_precision: bf16 autocast trains as float32 does; float16 needs a GradScaler, unscaled before clipping.
 
-Claims, on gloo/CPU with 2 ranks (one launch, 20 epochs at global batch 64, the settings of runs["01"]):
+Claims, on gloo/CPU with 2 ranks (one launch, the recipe's 20 epochs at global batch 64, beside stage 01's run at the
+same settings in float64, `reference`):
 - the loss falls as in float32: every epoch's train loss, the held-out loss and accuracy within margins
   measured over 8 seeds (below) of stage 01's run, which float32 itself matches to ~1e-7 at seed 0;
 - the forward really ran in bfloat16: the logits were bfloat16, and each epoch differs from stage 01's
@@ -22,6 +23,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from conftest import CONFIGS
 from harness import (
     Run,
     Step,
@@ -34,10 +36,11 @@ from harness import (
     mutate,
     replay_error,
     tolerance,
+    with_args,
 )
 
 RECIPE = "recipes/mixed_precision"
-W, B = 2, 32  # global batch 64, 20 epochs, lr 0.05, seed 0: runs["01"]'s settings (stage 01, float64)
+W, B = 2, 32  # global batch 64, 20 epochs, lr 0.05, seed 0: the settings of `reference` (stage 01, float64)
 # Margins, from bf16 vs float64 over seeds 0-7 at these settings (one process, batch 64; 2026-11-23): the
 # largest |difference| of an epoch's train loss 0.030, of the held-out loss 0.044, of the accuracy 0.9 points
 # (this launch, seed 0: 0.010, 0.006, 0.1). Float32 itself ends 0.019 from float64 in train loss at seed 1
@@ -47,13 +50,19 @@ ACCURACY_MARGIN = 0.015
 
 
 @pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Run:
+    """Stage 01 as the tour runs it (float64, batch W*B), for the stages' default 20 epochs: the margins' length."""
+    return check(launch(with_args(CONFIGS["01"], "--epochs", "20"), out=tmp_path_factory.mktemp("reference")))
+
+
+@pytest.fixture(scope="module")
 def bf16(tmp_path_factory) -> Run:
     step = Step(RECIPE, "torchrun", ("--device", "cpu", "--batch-size", str(B)), nproc=W)
     return check(launch(step, out=tmp_path_factory.mktemp("bf16")))
 
 
-def test_loss_falls_as_in_float32(runs, bf16):
-    s, ref = bf16.summary, runs["01"].summary
+def test_loss_falls_as_in_float32(reference, bf16):
+    s, ref = bf16.summary, reference.summary
     assert s["autocast"] == "bfloat16" and s["dtype"] == "float32" and ref["dtype"] == "float64"
     assert s["global_batch"] == ref["global_batch"] and s["steps"] == ref["steps"] and s["world_size"] == W
     gaps = [abs(a - b) for a, b in zip(s["losses"], ref["losses"], strict=True)]
@@ -62,7 +71,7 @@ def test_loss_falls_as_in_float32(runs, bf16):
     assert abs(s["eval_accuracy"] - ref["eval_accuracy"]) <= ACCURACY_MARGIN, (s["eval_accuracy"], ref["eval_accuracy"])
 
 
-def test_the_forward_ran_in_bfloat16(runs, bf16):
+def test_the_forward_ran_in_bfloat16(reference, bf16):
     s = bf16.summary
     assert s["autocast_dtypes"] == {"logits": "torch.bfloat16", "loss": "torch.float32", "grads": ["torch.float32"]}
     assert all(p.dtype == torch.float32 for p in bf16.model.values())  # the weights stayed float32
@@ -72,7 +81,7 @@ def test_the_forward_ran_in_bfloat16(runs, bf16):
     # while the loss and the metric stay within the margins (test above).
     replay = replay_error(s, bf16.trajectory)
     assert replay > tolerance("float32"), f"every epoch within {replay:.2e} of float32's: did autocast run?"
-    assert max_abs_diff(bf16.model, runs["01"].model) > tolerance("float32")
+    assert max_abs_diff(bf16.model, reference.model) > tolerance("float32")
 
 
 def test_replicas_stay_identical(bf16):
@@ -146,12 +155,12 @@ def test_refusals(argv, message):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="float16 autocast with a GradScaler: needs a GPU")
-def test_float16_with_grad_scaler_on_gpus(runs, tmp_path):
+def test_float16_with_grad_scaler_on_gpus(reference, tmp_path):
     """The GPU recipe, launched: float16 forward, scaler and clipping; the loss falls as in float32."""
     n = min(W, torch.cuda.device_count())
     step = Step(RECIPE, "torchrun", ("--device", "cuda", "--batch-size", str(W * B // n), "--autocast", "float16",
                                      "--clip-grad-norm", "1"), nproc=n)
-    s, ref = check(launch(step, out=tmp_path)).summary, runs["01"].summary
+    s, ref = check(launch(step, out=tmp_path)).summary, reference.summary
     assert s["autocast_dtypes"] == {"logits": "torch.float16", "loss": "torch.float32", "grads": ["torch.float32"]}
     assert s["global_batch"] == ref["global_batch"] and s["replica_max_abs_diff"] == 0.0
     assert math.isfinite(s["grad_scale"]) and s["grad_scale"] >= 1

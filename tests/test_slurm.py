@@ -23,6 +23,7 @@ import pytest
 
 from conftest import DTYPE, B, W
 from harness import ROOT, Run, assert_same_training, free_port, run_slurm_command
+from tour import EPOCHS
 
 CLUSTER_SH = ROOT / "slurm" / "local_cluster.sh"
 SBATCH = ROOT / "slurm" / "train.sbatch"
@@ -112,7 +113,7 @@ def job(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Job:
     env = slurm_env(cluster.conf, {
         "REPO": str(ROOT),
         "TORCHRUN": f"{sys.executable} -m torch.distributed.run",  # torchrun, with this interpreter
-        "TRAIN_ARGS": f"--device cpu --dtype {DTYPE} --batch-size {B} --out {out}",
+        "TRAIN_ARGS": f"--device cpu --dtype {DTYPE} --batch-size {B} --epochs {EPOCHS} --out {out}",  # runs["01"]'s
         "MASTER_PORT": str(port),
         "OMP_NUM_THREADS": "1",  # two "nodes" share this machine's cores (as in the tour)
         "NPROC_PER_NODE": "1", "VENV": "", "MODULES": "",  # not whatever the caller's shell has

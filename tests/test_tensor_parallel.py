@@ -40,7 +40,8 @@ FSDP_TALK = {"allgather": 4, "reduce_scatter": 2}  # stage 08's: two units, resh
 
 @pytest.fixture(scope="module")
 def meshes(runs, tmp_path_factory) -> dict[tuple[int, int], Run]:
-    """{(dp, tp): run}: the suite's 1 x 2 (20 epochs), 2 x 1 (2 epochs), and 2 x 2 resumed from 2 x 1's checkpoint."""
+    """{(dp, tp): run}: the suite's 1 x 2 (the tour's 5 epochs), 2 x 1 (2 epochs), and 2 x 2 resumed from 2 x 1's
+    checkpoint."""
     tmp = tmp_path_factory.mktemp("meshes")
     rows = with_args(with_batch(CONFIGS["09"], B), "--snapshot", str(tmp / "ck"))  # dp ranks of batch B: global W*B
     dp2 = check(launch(with_args(rows, "--tp", "1", "--epochs", "2"), out=tmp / "2x1"))
