@@ -91,8 +91,7 @@ def plan(world: int, batch: int, epochs: int | None = EPOCHS, device: str = "aut
     """Every stage that exists, each set up to compute the same thing at global batch world*batch.
 
     `epochs`: None leaves each stage's own default. `gpus`: how many the runs may use (default: those visible, none
-    for --device cpu). With one
-    GPU, the single-process runs use it and the multi-process ones run as CPU processes.
+    for --device cpu). With one GPU, the single-process runs use it and the multi-process ones run as CPU processes.
     """
     gpus = visible_gpus(device) if gpus is None else gpus
     settings = training_args(epochs, lr, seed)
