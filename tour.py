@@ -18,6 +18,7 @@ import functools
 import importlib.util
 import itertools
 import json
+import math
 import os
 import shutil
 import signal
@@ -461,6 +462,8 @@ def replay_error(summary: dict, trajectory: list[dict]) -> float:
 
     For every epoch the run recorded, stage 01's own Trainer starts from the run's weights and
     momentum before it, trains that epoch on the CPU, and is compared with the run's state after it.
+    A run with AdamW (zero_by_hand/, summary "optimizer") is replayed with stage 01's code and
+    torch's AdamW at the run's settings, from its moments and step count.
     A stage that computes stage 01's training differs by one epoch's rounding, however long it
     trained (final weights can drift much further: training amplifies rounding). A stage that
     computes something else (another order, batch, average or start) differs at once.
@@ -480,6 +483,10 @@ def _replay_error(s01: ModuleType, summary: dict, trajectory: list[dict]) -> flo
                               batch_size=summary["global_batch"])
     cpu = torch.device("cpu")
     train_set, _, model, optimizer = s01.load_train_objs(args, cpu)
+    if summary.get("optimizer", "SGD") == "AdamW":  # stage 01's model and loop, torch's AdamW in place of its SGD
+        settings = summary["adamw"]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=summary["lr"], betas=tuple(settings["betas"]),
+                                      eps=settings["eps"], weight_decay=settings["weight_decay"])
     loader = s01.prepare_dataloader(train_set, args.batch_size)
     if summary.get("epoch_samples", len(train_set)) != len(train_set):  # the ranks did not share the data evenly
         order = epoch_order(len(train_set), summary["epoch_samples"])
@@ -518,21 +525,30 @@ def epoch_order(n: int, samples: int):
 
 
 def restore_state(params: list, optimizer, state: dict) -> None:
-    """Set the weights and the SGD momentum to a recorded state_of() (the momentum a fresh copy)."""
+    """Set the weights and the optimizer's state to a recorded state_of() (fresh copies): SGD's momentum, or
+    AdamW's two moments and step count."""
     import torch
     with torch.no_grad():
         for p, w in zip(params, state["params"], strict=True):
             p.copy_(w)
     optimizer.state.clear()
-    for p, m in zip(params, state["momentum"], strict=True):
-        if m is not None:
-            optimizer.state[p]["momentum_buffer"] = m.clone()
+    for i, p in enumerate(params):
+        if "exp_avg" in state and state["step"] is not None:
+            optimizer.state[p] = {"step": torch.tensor(float(state["step"])), **{
+                key: state[key][i].clone() for key in ("exp_avg", "exp_avg_sq")}}
+        elif "momentum" in state and state["momentum"][i] is not None:
+            optimizer.state[p]["momentum_buffer"] = state["momentum"][i].clone()
 
 
 def state_gap(params: list, optimizer, state: dict) -> float:
-    """Largest |difference| from a recorded state_of(): the weights and the SGD momentum."""
-    momentum = [optimizer.state[p]["momentum_buffer"] for p in params]
-    return max(max_gap(params, state["params"]), max_gap(momentum, state["momentum"]))
+    """Largest |difference| from a recorded state_of(): the weights and SGD's momentum or AdamW's moments (and
+    AdamW's step count, which must be equal: infinity if not)."""
+    keys = ("exp_avg", "exp_avg_sq") if "exp_avg" in state else ("momentum_buffer",)
+    if "exp_avg" in state and any(int(optimizer.state[p]["step"]) != state["step"] for p in params):
+        return math.inf
+    return max(max_gap(params, state["params"]),
+               *(max_gap([optimizer.state[p][key] for p in params], state[key if key in state else "momentum"])
+                 for key in keys))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

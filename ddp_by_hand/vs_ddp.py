@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
 import bucketed  # noqa: E402
 
-from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive  # noqa: E402
+from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive, print_table  # noqa: E402
 
 WAYS = ("hand", "hand + 1/W first", "hand + 1/W first + DDP's first-step order")
 
@@ -104,9 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         mp.start_processes(worker, args=(world, args, results), nprocs=world, start_method=method)
         gaps = results.get()
         rows.append([str(world), *(f"{x:.1e}" if x else "0" for g in gaps.values() for x in (g[0], max(g[1:])))])
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    print_table(rows)
     return 0
 
 

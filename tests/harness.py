@@ -12,6 +12,7 @@ the fault battery, and for the READMEs' other forms.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -58,9 +59,9 @@ FOLDER_STAGES = sorted(p.parent.name for p in ROOT.glob("[0-9][0-9]_*/model.py")
 # recipes/<name>/train.py: stage 04 with one everyday technique added (recipes/README.md).
 RECIPES = sorted(f"recipes/{p.parent.name}" for p in ROOT.glob("recipes/*/train.py"))
 __all__ = ["ROOT", "FOLDER_STAGES", "RECIPES", "STAGES", "TORCHRUN", "Fault", "Job", "Run", "Step",
-           "assert_same_training", "check", "clean_env", "free_port", "gradient_bytes", "group_of_one", "launch",
-           "launch_commands", "load_copy", "load_run", "load_stage", "max_abs_diff", "max_gap", "mutate", "mutated",
-           "plan", "replay_error", "restore_state", "run_chains",
+           "assert_same_training", "check", "clean_env", "forked_ranks", "free_port", "gradient_bytes", "group_of_one",
+           "launch", "launch_commands", "load_copy", "load_run", "load_stage", "max_abs_diff", "max_gap", "mutate",
+           "mutated", "plan", "replay_error", "restore_state", "run_chains",
            "run_command", "run_job", "run_slurm_command", "selected", "slurm_missing", "state_gap", "tolerance",
            "with_args", "with_batch", "workers"]
 
@@ -272,6 +273,17 @@ def load_copy(path: Path) -> ModuleType:
     """Import a copy made by mutate(), or a script, as a module of its own (load_stage imports the repository's
     stages, once), with the files beside it that it imports (tour.import_script)."""
     return import_script(path, f"copy_{path.parent.name}_{abs(hash(path))}")
+
+
+def forked_ranks(module: str, worker: str, world: int, out: Path, timeout: float = 120.0) -> list[dict]:
+    """What each rank of a small in-process job found: tests/`module`.py's `worker(rank, world, store, out)` on `world`
+    ranks, forked from one fresh interpreter (torch imported once; gloo over a FileStore in `out`: no port), each
+    writing `out`/rank{R}.json. The job is a launch of its own, under the suite's time limit and survivor check."""
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import torch.multiprocessing as mp; "
+            f"import {module} as t; mp.start_processes(t.{worker}, args=({world}, {str(out / 'store')!r}, "
+            f"{str(out)!r}), nprocs={world}, start_method='fork')")
+    check(launch_commands([[sys.executable, "-c", code]], out, timeout=timeout))
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """Each stage's README shows its train.py as a diff from the stage it extends, so a reader sees what changed without
-running `diff` (a GPT stage, a folder of files: the files it changes, each as a diff); ddp_by_hand's README shows
-its two scripts so (FILE_DIFFS). test_repo.py and test_ddp_by_hand.py check that every such block is the diff of
-today's files; `python tests/lesson_diffs.py` writes them anew after a change.
+running `diff` (a GPT stage, a folder of files: the files it changes, each as a diff); ddp_by_hand's and
+zero_by_hand's READMEs show their scripts so (FILE_DIFFS). test_repo.py, test_ddp_by_hand.py and test_zero_by_hand.py
+check that every such block is the diff of today's files; `python tests/lesson_diffs.py` writes them anew after a
+change.
 """
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ START, END = "<!-- diff from the stage it extends: written by tests/lesson_diffs
 BLOCK = re.compile(re.escape(START) + r"\n(.*?)\n" + re.escape(END), re.S)
 # Other READMEs' diffs of two files, each block after the line `<!-- diff OLD NEW -->`: {README: [(OLD, NEW), ...]}
 FILE_DIFFS = {"ddp_by_hand/README.md": [("04_ddp_torchrun/train.py", "ddp_by_hand/naive.py"),
-                                        ("ddp_by_hand/naive.py", "ddp_by_hand/bucketed.py")]}
+                                        ("ddp_by_hand/naive.py", "ddp_by_hand/bucketed.py")],
+              "zero_by_hand/README.md": [("ddp_by_hand/bucketed.py", "zero_by_hand/zero1.py"),
+                                         ("zero_by_hand/zero1.py", "zero_by_hand/zero2.py"),
+                                         ("zero_by_hand/zero2.py", "zero_by_hand/zero3.py")]}
 
 BOUNDARY = "# ═══ The lesson ends here"
 
@@ -115,7 +119,8 @@ def file_diff(old: str, new: str) -> str:
 
 def _file_diff_pattern(old: str, new: str) -> re.Pattern:
     """The marker line, then the ```diff block after it (its text: group 1)."""
-    return re.compile(re.escape(f"<!-- diff {old} {new} -->") + r"\n```diff\n(.*?)\n```", re.S)
+    # An empty block (a new README's placeholder) matches too: `(.*?)\n` alone would run on to the next fence.
+    return re.compile(re.escape(f"<!-- diff {old} {new} -->") + r"\n```diff\n(?:(.*?)\n)??```", re.S)
 
 
 def file_diff_block(readme: str, old: str, new: str) -> re.Match | None:

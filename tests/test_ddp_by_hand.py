@@ -37,7 +37,17 @@ import torch
 import torch.nn.functional as F
 
 from conftest import readme_run
-from harness import ROOT, TORCHRUN, check, gradient_bytes, group_of_one, launch_commands, replay_error, tolerance
+from harness import (
+    ROOT,
+    TORCHRUN,
+    check,
+    forked_ranks,
+    gradient_bytes,
+    group_of_one,
+    launch_commands,
+    replay_error,
+    tolerance,
+)
 from lesson_diffs import BOUNDARY, FILE_DIFFS, file_diff, file_diff_block
 
 HERE = ROOT / "ddp_by_hand"
@@ -165,7 +175,7 @@ def batch_of(rank: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def two_ranks_worker(rank: int, world: int, store: str, out: str) -> None:
-    """One rank of the W = 2 job (forked by two_ranks_job, gloo over a FileStore: no port). Writes rankR.json:
+    """One rank of the W = 2 job (harness.forked_ranks: forked, gloo over a FileStore, no port). Writes rankR.json:
     - for naive's and bucketed's HandDDP, one step: the all-reduces and bytes handed to torch.distributed.all_reduce,
       counted by a wrapper around it (outside the scripts), beside the scripts' own counters;
     - bucketed's no_sync(): the calls after each of three backwards (two inside it), and whether the gradients
@@ -220,20 +230,10 @@ def two_ranks_worker(rank: int, world: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def two_ranks_job(out: str) -> None:
-    """Both ranks, forked from one fresh interpreter (torch imported once: ~3 s instead of torchrun's ~8)."""
-    import torch.multiprocessing as mp
-    mp.start_processes(two_ranks_worker, args=(2, f"{out}/store", out), nprocs=2, start_method="fork")
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
     """What each rank of the W = 2 job found (two_ranks_worker)."""
-    out = tmp_path_factory.mktemp("two_ranks")
-    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); "
-            f"import test_ddp_by_hand as t; t.two_ranks_job({str(out)!r})")
-    check(launch_commands([[sys.executable, "-c", code]], out, timeout=120))
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return forked_ranks("test_ddp_by_hand", "two_ranks_worker", 2, tmp_path_factory.mktemp("two_ranks"))
 
 
 def test_a_wrong_divisor_is_caught_by_the_replay_and_not_by_the_replica_check(tmp_path):

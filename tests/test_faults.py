@@ -529,6 +529,7 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
 # with it), else main() itself, stopped where its checks end (main_until_checked).
 TOOLS = sorted(str(p.relative_to(ROOT).with_suffix("")) for p in [ROOT / "10_pipeline_parallel" / "by_hand.py",
                                                                    *ROOT.glob("ddp_by_hand/*.py"),
+                                                                   *ROOT.glob("zero_by_hand/*.py"),
                                                                    *ROOT.glob("benchmarks/*.py")])
 # The flags every stage has, as the stages' own table gives them (without --device cuda, which depends on the machine).
 CONTRACT = {args: flag for args, flag in bad_values("01_single_gpu").items() if args != ("--device", "cuda")}
@@ -542,6 +543,15 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
                               ("--repeats", "0"): "--repeats", ("--timeout", "0"): "--timeout"},
     "ddp_by_hand/bucketed": {**CONTRACT, ("--timeout", "0"): "--timeout", ("--bucket-mb", "0"): "--bucket-mb",
                              ("--first-bucket-mb", "nan"): "--first-bucket-mb"},
+    **{f"zero_by_hand/{name}": {**CONTRACT, ("--timeout", "0"): "--timeout", ("--bucket-mb", "0"): "--bucket-mb",
+                                ("--first-bucket-mb", "nan"): "--first-bucket-mb"} for name in ("zero1", "zero2")},
+    "zero_by_hand/zero3": {**CONTRACT, ("--timeout", "0"): "--timeout"},
+    "zero_by_hand/memory": {("--hidden", "0"): "--hidden", ("--layers", "0"): "--layers",
+                            ("--batch-size", "0"): "--batch-size", ("--world-sizes", "0"): "--world-sizes",
+                            ("--ways", "ZeRO-4"): "--ways", ("--lr", "0"): "--lr", ("--timeout", "0"): "--timeout",
+                            ("--out", "{file}/sub"): "--out"},
+    "zero_by_hand/vs_library": {("--world-sizes", "0"): "--world-sizes", ("--steps", "1"): "--steps",
+                                ("--seed", "x"): "--seed", ("--timeout", "0"): "--timeout"},
     "ddp_by_hand/overlap": {("--hidden", "0"): "--hidden", ("--layers", "0"): "--layers",
                             ("--batch-size", "0"): "--batch-size", ("--bucket-mb", "1,1"): "--bucket-mb",
                             ("--bucket-mb", "0"): "--bucket-mb", ("--world-size", "0"): "--world-size",

@@ -37,6 +37,7 @@ NOT_RUN = {  # the only reasons a command may be left out
     # also shows a quick run of the same script, which runs here, and tests/test_benchmarks.py checks its output.
     "is a full benchmark run (a minute or more): the quick run below it and tests/test_benchmarks.py run the script",
     "is a full profiling run (a minute or more): the quick run below it and tests/test_ddp_by_hand.py run the script",
+    "is a full measuring run (minutes): the quick run below it and tests/test_zero_by_hand.py run the script",
     # Another project's code, which nothing here downloads (benchmarks/vs_nanogpt.py): where it is, the test runs.
     "needs nanoGPT's code beside the repository: tests/test_benchmarks.py runs the script's quick run where it is",
 }

@@ -114,6 +114,13 @@ SHOWN = [
     Shown("ddp_by_hand/README.md", "[ddp_by_hand/bucketed]",
           "python ddp_by_hand/compare_runs.py runs/hand_naive runs/hand_bucketed --ddp runs/04_2x32"),
     Shown("ddp_by_hand/README.md", "max |difference| from DDP's", "python ddp_by_hand/vs_ddp.py"),
+    Shown("zero_by_hand/README.md", "[zero_by_hand/zero1]",
+          "torchrun --standalone --nproc_per_node=2 zero_by_hand/zero1.py --batch-size 32 --dtype float64 --epochs 5 "
+          "--out runs/zero1"),
+    Shown("zero_by_hand/README.md", "[zero_by_hand/zero3]",
+          "torchrun --standalone --nproc_per_node=2 zero_by_hand/zero3.py --batch-size 32 --dtype float64 --epochs 5 "
+          "--out runs/zero3"),
+    Shown("zero_by_hand/README.md", "max |difference| of the weights", "python zero_by_hand/vs_library.py"),
     Shown("recipes/comm_hooks/README.md", "--hook allreduce",
           "torchrun --standalone --nproc_per_node=2 recipes/comm_hooks/train.py --epochs 1"),
     Shown("recipes/comm_hooks/README.md", "fp16 | epoch replay",
@@ -152,6 +159,8 @@ SHOWN = [
 ]
 
 SKIPPED = {  # (README, how the block's first line starts): why it is not compared
+    ("zero_by_hand/README.md", "rank 0 of W, float32, AdamW"):
+        "the full measuring run's table (not run here: minutes); tests/test_zero_by_hand.py checks the quick run's CSV",
     ("03_ddp_spawn/README.md", "note: 4096 samples do not split evenly over 3 ranks"):
         "the line a run at W = 3 prints (tests/test_settings.py checks it); the README's blocks run W = 2 and 4",
     ("05_multinode/README.md", "LOCAL_RANK 0"): "a diagram of two nodes' ranks",

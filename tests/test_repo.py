@@ -106,7 +106,8 @@ def split_at_boundary(script: str) -> tuple[str, str]:
     return lesson, re.sub(r"\n{3,}", "\n\n\n", common).strip()
 
 
-@pytest.mark.parametrize("script", [*STAGES, *RECIPES, "10_pipeline_parallel/by_hand"])
+@pytest.mark.parametrize("script", [*STAGES, *RECIPES, "10_pipeline_parallel/by_hand", "zero_by_hand/zero1",
+                                    "zero_by_hand/zero2", "zero_by_hand/zero3"])
 def test_machinery_after_the_boundary_is_the_same_in_every_stage(script):
     """A stage's top is the lesson; what only the tour and the tests need comes after one marked line, identical in
     every stage and recipe, so a reader can skip it and a diff of two stages shows the lessons' difference."""
@@ -170,8 +171,8 @@ PUBLIC_UNDERSCORED = {"_exit",  # os._exit
                       "_asdict", "_replace", "_fields", "_make"}  # a namedtuple's methods (collections docs)
 # Every script a reader runs: the stages, the recipes, and the tools beside them.
 PRIVATE_SCANNED = [*STAGES, *RECIPES, *sorted(str(p.relative_to(ROOT).with_suffix("")) for p in [
-    ROOT / "10_pipeline_parallel" / "by_hand.py", *ROOT.glob("ddp_by_hand/*.py"), *ROOT.glob("benchmarks/*.py"),
-    *ROOT.glob("collectives/*.py"), *ROOT.glob("tools/*.py")])]
+    ROOT / "10_pipeline_parallel" / "by_hand.py", *ROOT.glob("ddp_by_hand/*.py"), *ROOT.glob("zero_by_hand/*.py"),
+    *ROOT.glob("benchmarks/*.py"), *ROOT.glob("collectives/*.py"), *ROOT.glob("tools/*.py")])]
 
 
 def private_names(source: str) -> set[str]:

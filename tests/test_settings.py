@@ -18,14 +18,14 @@ one of three honest ways, never in a traceback, a hang or a silently different t
   (REFUSED: W = 4 with three pipeline stages).
 
 Which settings: in CI a covering table over one script for each way of reading the data and taking a step
-(CI_SCRIPTS: 13 of the 21), each once at settings chosen so that every pair of values of (W, batch per process,
+(CI_SCRIPTS: 14 of the 24), each once at settings chosen so that every pair of values of (W, batch per process,
 dtype, seed and learning rate) appears somewhere in the table (a greedy pairwise cover, `covering()`), plus the rows
 that only some scripts have (pipeline and tensor-parallel layouts, resuming on another W), stage 03 replayed at
-W = 3 (the cover gives it float32 at lr 0.1, which need only learn) and the refused one: 18 rows, 19 launches, 63 s
-alone on a 2-core machine without AVX-512 (2026-11-27; the launches forked from the suite's server,
+W = 3 (the cover gives it float32 at lr 0.1, which need only learn) and the refused one: 19 rows, 20 launches, 74 s
+alone on a 2-core machine without AVX-512 (2026-11-28; the launches forked from the suite's server,
 tests/forkrun.py). A control replays one W = 3 row as if nothing were padded: it must fail.
 `pytest tests/test_settings.py --sweep=full` runs the full grid instead: every script at every combination its
-layout allows, every layout, resuming both ways (1,030 launches: 2 to 3 hours on 2 cores, at ~16 CPU-s a launch).
+layout allows, every layout, resuming both ways (1,143 launches: 2 to 3 hours on 2 cores, at ~16 CPU-s a launch).
 """
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ LAUNCHED = ("04_ddp_torchrun", "06_checkpoint", "07_model_parallel", "08_fsdp", 
             "10_pipeline_parallel", "10_pipeline_parallel/by_hand.py", "ddp_by_hand/naive.py",
             "ddp_by_hand/bucketed.py", "recipes/comm_hooks", "recipes/compile", "recipes/ddp_options",
             "recipes/grad_accumulation", "recipes/mixed_precision", "recipes/sync_batchnorm", "recipes/uneven_inputs",
-            "your_model/fsdp.py")  # (your_model/ddp.py's sampler and note are fsdp.py's, line for line)
+            "your_model/fsdp.py",  # (your_model/ddp.py's sampler and note are fsdp.py's, line for line)
+            "zero_by_hand/zero1.py", "zero_by_hand/zero2.py", "zero_by_hand/zero3.py")
 SCRIPTS = (*SINGLE, "03_ddp_spawn", "05_multinode", *LAUNCHED)  # LAUNCHED: by torchrun
 # Training that is not stage 01's by design, and what the run's first lines say about it (your_model's scripts train
 # another model on other data, as a learner's own script would: they say nothing of stage 01, and must learn).
@@ -155,10 +156,12 @@ def pairs(combo: dict) -> set:
 # In CI, one script for each way of reading the data and taking a step: the others share one of these line for line
 # (02 is 01 with DataParallel; 05 and 07 are 04 and 06 on other devices or nodes; bucketed.py is naive.py's loop;
 # comm_hooks, compile, ddp_options and mixed_precision are 04 with an option that leaves the sampler and the step's
-# arithmetic alone). The full grid runs every script.
+# arithmetic alone; zero3.py takes zero1.py's and zero2.py's sharded AdamW step and adds its own gathers). The full
+# grid runs every script.
 CI_SCRIPTS = ("01_single_gpu", "03_ddp_spawn", "04_ddp_torchrun", "06_checkpoint", "08_fsdp", "09_tensor_parallel",
               "10_pipeline_parallel", "10_pipeline_parallel/by_hand.py", "ddp_by_hand/naive.py",
-              "recipes/grad_accumulation", "recipes/sync_batchnorm", "recipes/uneven_inputs", "your_model/fsdp.py")
+              "recipes/grad_accumulation", "recipes/sync_batchnorm", "recipes/uneven_inputs", "your_model/fsdp.py",
+              "zero_by_hand/zero3.py")
 
 
 def covering(scripts: tuple[str, ...] = CI_SCRIPTS) -> list[Setting]:

@@ -83,6 +83,13 @@ def gloo_group(rank: int, world: int, port: int, timeout: float) -> Iterator[Non
         dist.destroy_process_group()
 
 
+def print_table(rows: list[list[str]]) -> None:
+    """Rows of cells (the first: the header), each column as wide as its widest cell, two spaces apart."""
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+
+
 def exit_worker() -> None:
     """Leave without interpreter teardown, which can abort gloo's threads (see 03_ddp_spawn/README.md)."""
     sys.stdout.flush()
