@@ -41,6 +41,7 @@ from harness import (
     ROOT,
     TORCHRUN,
     check,
+    edited,
     forked_ranks,
     gradient_bytes,
     group_of_one,
@@ -154,10 +155,8 @@ def test_ddps_two_habits_explain_every_difference_at_three_and_four_ranks(readme
 # --- negative controls: the replay catches what a wrong hand-built version does --------------------------------------
 
 def mutated(script: str, old: str, new: str, dest: Path) -> Path:
-    text = (HERE / script).read_text()
-    assert text.count(old) == 1, f"{script}: expected exactly one {old!r}"
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / script).write_text(text.replace(old, new))
+    (dest / script).write_text(edited(HERE / script, [(old, new)]))
     return dest / script
 
 

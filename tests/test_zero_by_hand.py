@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import readme_run
-from harness import ROOT, TORCHRUN, check, forked_ranks, launch_commands, load_copy, replay_error, tolerance
+from harness import ROOT, TORCHRUN, check, edited, forked_ranks, launch_commands, load_copy, replay_error, tolerance
 from lesson_diffs import FILE_DIFFS, file_diff, file_diff_block
 
 HERE = ROOT / "zero_by_hand"
@@ -227,9 +227,7 @@ def test_zero3_posts_the_next_units_gather_before_the_current_unit_computes(thre
 # --- planted bugs: the replay catches a wrong shard ------------------------------------------------------------------
 
 def launch_mutated(script: str, old: str, new: str, tmp: Path):
-    text = (HERE / script).read_text()
-    assert text.count(old) == 1, f"{script}: expected exactly one {old!r}"
-    (tmp / script).write_text(text.replace(old, new))
+    (tmp / script).write_text(edited(HERE / script, [(old, new)]))
     return launch_commands([[*TORCHRUN, "--standalone", "--nproc_per_node=2", str(tmp / script), "--batch-size",
                              "32", "--dtype", "float64", "--epochs", "2", "--out", str(tmp / "out")]], tmp / "out",
                            timeout=120)
