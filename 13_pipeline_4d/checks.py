@@ -234,6 +234,20 @@ def check_gpt_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Name
         if args.pp > 1 and args.pp_schedule == "1f1b" and args.accumulate < args.pp:
             p.error(f"argument --accumulate: 1F1B needs at least one micro-batch per stage, {args.pp}, not "
                     f"{args.accumulate}; use --accumulate {args.pp} or more (or --pp-schedule gpipe)")
+    if "ep" in args:  # stage 14's experts (--experts, --top-k, --ep)
+        dp_cp = world_size // (args.pp * args.tp)
+        if args.top_k > args.experts:
+            p.error(f"argument --top-k: {args.top_k} is more than --experts {args.experts}; use {args.experts} or "
+                    f"fewer")
+        if args.experts % args.ep:
+            p.error(f"argument --ep: {args.ep} does not divide --experts {args.experts} (each ep rank holds as many "
+                    f"experts); use one of {[d for d in range(1, args.experts + 1) if args.experts % d == 0]}")
+        if dp_cp % args.ep:
+            p.error(f"argument --ep: {args.ep} does not divide the {dp_cp} dp x cp processes (the world size "
+                    f"{world_size} over pp {args.pp} x tp {args.tp}), which share out the experts; use one of "
+                    f"{[d for d in range(1, dp_cp + 1) if dp_cp % d == 0 and args.experts % d == 0]}")
+        if args.aux_weight < 0:
+            p.error(f"argument --aux-weight: must be 0 (no balancing loss) or positive, got {args.aux_weight}")
     if args.heads % args.tp:
         p.error(f"argument --tp: {args.tp} does not divide --heads {args.heads} (each tp rank computes whole heads); "
                 f"use one of {[d for d in range(1, args.heads + 1) if args.heads % d == 0]}")
@@ -307,16 +321,16 @@ def load_snapshot(args: argparse.Namespace, dp: int) -> dict | None:
             "schedule"}
     if not isinstance(progress, dict) or not keys <= progress.keys():
         raise SnapshotError(f"{path / PROGRESS} is not this stage's (expected the keys {sorted(keys)})")
-    cfg = Config(len(set(args.data.read_text(encoding="utf-8"))), args.context, args.layers, args.heads, args.width)
+    # The model's shape as train.py builds it: the flags named as Config's fields (stage 14 adds experts, top_k).
+    cfg = Config(len(set(args.data.read_text(encoding="utf-8"))), *(getattr(args, f) for f in Config._fields[1:]))
     with torch.device("meta"):
         expected = {f"model.{k}": list(v.shape) for k, v in GPT(cfg).state_dict().items()}
     found_shapes = {k: list(getattr(metadata.state_dict_metadata.get(k), "size", [])) for k in expected}
     if found_shapes != expected or progress["model"] != cfg._asdict():
-        made = progress["model"]
-        raise SnapshotError(f"{path} holds another model: context {made.get('context')}, {made.get('layers')} blocks, "
-                            f"{made.get('heads')} heads, width {made.get('width')}, vocabulary {made.get('vocab')} "
-                            f"(this run: context {cfg.context}, {cfg.layers} blocks, {cfg.heads} heads, width "
-                            f"{cfg.width}, vocabulary {cfg.vocab}); resume with the same, or use another --snapshot")
+        def shape(model: dict) -> str:  # "context 32, layers 4, heads 4, width 128, vocab 65" (14: and experts)
+            return ", ".join(f"{k} {model.get(k)}" for k in [*Config._fields[1:], "vocab"])
+        raise SnapshotError(f"{path} holds another model: {shape(progress['model'])} (this run: "
+                            f"{shape(cfg._asdict())}); resume with the same, or use another --snapshot")
     for piece in metadata.storage_data.values():  # a shard file missing or cut short: found now, not mid-load
         file = path / piece.relative_path
         if not file.exists() or file.stat().st_size < piece.offset + piece.length:

@@ -66,8 +66,10 @@ def flops_per_token(cfg: Config) -> int:
     """Training FLOPs per token (forward and backward): 6 per weight of every matmul (PaLM's 6N; the embeddings are
     look-ups, not matmuls), plus the attention's scores and weighted sums, 12 x layers x context x width (PaLM,
     appendix B; the causal mask's skipped half counted, as there)."""
-    matmul_weights = cfg.layers * 12 * cfg.width ** 2 + cfg.width * cfg.vocab  # q, k, v, proj: 4w^2; MLP: 8w^2; head
-    return 6 * matmul_weights + 12 * cfg.layers * cfg.context * cfg.width
+    experts = getattr(cfg, "experts", 0)  # stage 14: each token through k MLPs (experts), and the router's w x E
+    mlps = getattr(cfg, "top_k", 1)
+    matmul_weights = cfg.layers * ((4 + 8 * mlps) * cfg.width ** 2 + cfg.width * experts) + cfg.width * cfg.vocab
+    return 6 * matmul_weights + 12 * cfg.layers * cfg.context * cfg.width  # (q, k, v, proj: 4w^2; an MLP: 8w^2)
 
 
 def machine_peak(device: torch.device, args: argparse.Namespace) -> dict:
@@ -147,6 +149,10 @@ def write_run(args: argparse.Namespace, trainer: Trainer, model: GPT, floor: dic
         "curve": trainer.curve, "eval_loss": loss, "eval_count": count, "baselines": floor,
         "replica_max_abs_diff": max_diff, "seconds": seconds, "train_seconds": trainer.train_seconds, **speed,
         "memory": memory, "sample": text,
+        **({"experts": {"experts": args.experts, "top_k": args.top_k, "ep": args.ep, "aux_weight": args.aux_weight,
+                        "balance": args.balance, "capacity_factor": args.capacity_factor,
+                        "load": trainer.expert_log.load, "aux_losses": trainer.expert_log.aux_losses,
+                        "dropped": trainer.expert_log.dropped}} if "ep" in args else {}),  # stage 14's
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     torch.save(model.state_dict(), args.out / "model.pt")

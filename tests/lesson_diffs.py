@@ -16,11 +16,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # The stage each one extends: 08 builds on 06 (torchrun, snapshots), not on 07's split over two devices; 10 on 05
 # (torchrun, the layout), taking 07's idea, the split between layers, across processes (without 06's snapshots).
 # 11_gpt has none: it rewrites the model and the data, and a diff of the whole lesson would teach nothing. 12 adds
-# context parallelism to 11's GPT, 13 pipelining to 12's.
+# context parallelism to 11's GPT, 13 pipelining to 12's, 14 experts to 13's.
 EXTENDS = {"02_dataparallel": "01_single_gpu", "03_ddp_spawn": "02_dataparallel", "04_ddp_torchrun": "03_ddp_spawn",
            "05_multinode": "04_ddp_torchrun", "06_checkpoint": "05_multinode", "07_model_parallel": "06_checkpoint",
            "08_fsdp": "06_checkpoint", "09_tensor_parallel": "08_fsdp", "10_pipeline_parallel": "05_multinode",
-           "12_context_parallel": "11_gpt", "13_pipeline_4d": "12_context_parallel"}
+           "12_context_parallel": "11_gpt", "13_pipeline_4d": "12_context_parallel",
+           "14_experts": "13_pipeline_4d"}
 START, END = "<!-- diff from the stage it extends: written by tests/lesson_diffs.py -->", "<!-- /diff -->"
 BLOCK = re.compile(re.escape(START) + r"\n(.*?)\n" + re.escape(END), re.S)
 # Other READMEs' diffs of two files, each block after the line `<!-- diff OLD NEW -->`: {README: [(OLD, NEW), ...]}

@@ -628,7 +628,7 @@ GPT_REFUSALS = {"truncated": "__0_0.distcp is truncated", "missing": "__0_0.dist
                 "foreign": "is not a checkpoint directory of this stage (it holds s.pt)",
                 "payload": "is not part of a checkpoint's metadata", "no_progress": "cannot load",
                 "progress_not_json": "cannot load", "progress_of_another": "progress.json is not this stage's",
-                "other_model": "holds another model: context 16, 1 blocks, 1 heads, width 16",
+                "other_model": "holds another model: context 16, layers 1, heads 1, width 16",
                 "other_seed": GPT_SETTINGS_LINE, "other_batch": GPT_SETTINGS_LINE, "other_dtype": GPT_SETTINGS_LINE,
                 "other_schedule": "was made with --lr 0.002 --warmup-steps 1 --decay-steps 4"}
 LAUNCHED_KIND = "truncated"

@@ -27,7 +27,8 @@ BOUNDARY = "# ═══ The lesson ends here ═══"
 OWN_MODEL = {"11_gpt": "a GPT on text: tests/test_gpt.py checks its DDP, FSDP, tp and resume against each other",
              "12_context_parallel": "11's GPT with cp: tests/test_context_parallel.py checks its layouts against one "
                                     "process",
-             "13_pipeline_4d": "12's GPT with pp too: tests/test_pipeline_4d.py checks its layouts against one process"}
+             "13_pipeline_4d": "12's GPT with pp too: tests/test_pipeline_4d.py checks its layouts against one process",
+             "14_experts": "13's GPT with experts: tests/test_experts.py checks its layouts against one process"}
 # Where a stage must differ, and why.
 EXPECTED_DIFFERENCES = {("07_model_parallel", "load_train_objs"): "builds the model split over two devices",
                         ("07_model_parallel", "replica_max_abs_diff"): "gathers parameters from two devices",
@@ -153,7 +154,9 @@ def test_a_folder_diffs_changes_are_where_their_headers_say(stage):
 PRIVATE_ALLOWED = {
     **{(stage, "torch.distributed.tensor._redistribute"):
        "a logger's name, to quiet a warning about a correct two-step gather: a name, not an API"
-       for stage in ("09_tensor_parallel", "11_gpt", "12_context_parallel", "13_pipeline_4d")},
+       for stage in ("09_tensor_parallel", "11_gpt", "12_context_parallel", "13_pipeline_4d", "14_experts")},
+    ("14_experts", "DDP._set_params_and_buffers_to_ignore_for_model"):
+        "DDP's one way to leave parameters out of its all-reduce (a rank's experts are its own); no public one",
     ("recipes/comm_hooks", "torch.utils._python_dispatch"):
         "counts the bytes each hook hands to gloo; CommDebugMode counts calls, not their tensors' bytes",
     ("recipes/comm_hooks", "torch.utils._pytree"): "walks the arguments of what the counter above sees",
@@ -246,6 +249,10 @@ SHARED_SNAPSHOT_CODE = {
     ("12_context_parallel", "13_pipeline_4d"): ["checkpoints", "MetadataUnpickler", "SnapshotError", "failed_save",
                                                 "check_checkpoint_arg", "schedule", "Trainer._load_snapshot",
                                                 "Trainer._save_snapshot", "load_snapshot"],
+    # 14 is 13 with experts: the same again (the experts are DTensors over ep, named as one process names them).
+    ("13_pipeline_4d", "14_experts"): ["checkpoints", "MetadataUnpickler", "SnapshotError", "failed_save",
+                                       "check_checkpoint_arg", "schedule", "Trainer._load_snapshot",
+                                       "Trainer._save_snapshot", "load_snapshot"],
 }
 
 
@@ -339,7 +346,9 @@ def test_the_clock_check_sees_a_read_that_does_not_wait():
 # A GPT stage's files that the next stage copies unchanged (checked identical), and that the next changes where its
 # method needs it (its README diffs those); checks.py and reports.py are the same files in every GPT stage.
 COPIES = {("11_gpt", "12_context_parallel"): ["checks.py", "dataset.py", "reports.py"],
-          ("12_context_parallel", "13_pipeline_4d"): ["checks.py", "context_parallel.py", "dataset.py", "reports.py"]}
+          ("12_context_parallel", "13_pipeline_4d"): ["checks.py", "context_parallel.py", "dataset.py", "reports.py"],
+          ("13_pipeline_4d", "14_experts"): ["checks.py", "context_parallel.py", "dataset.py", "evaluate.py",
+                                             "pipeline.py", "reports.py"]}
 
 
 LONGEST_FILE = 450  # lines: a file a learner opens holds one concern (nanoGPT's model.py and train.py: ~330 each)

@@ -1,0 +1,364 @@
+"""What only the tour and the tests need, the same file in every GPT stage (tests/test_repo.py checks it): flag values
+refused in one line, and checkpoint directories checked before a rank joins the group. Leave it out of your own
+project: train.py calls what it needs from here as `checks.`; reports.py holds the run's numbers and files."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pickle
+import re
+import shutil
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from dataset import load_corpus
+from model import GPT, Config
+
+STAGE = Path(__file__).resolve().parent.name  # the folder: 11_gpt, 12_context_parallel, ...
+
+
+# ═══ The lesson ends here ═══════════════════════════════════════════════════════════════════════════════════════
+# Below: what only the tour and the tests need, the same in every stage (tests/test_repo.py checks it); leave it out
+# of your own project. Flag values refused in one line (check_args), the run's files for --out (state_of, save_run),
+# one line on how another rank failed (explain_peer_failure), and a clean exit past a gloo bug.
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line naming the flag, exit 2 (no usage dump)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
+    return parse
+
+
+def ensure_writable(directory: Path) -> None:
+    """Create `directory` if needed and write a file there: mkdir alone succeeds on a read-only disk."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tempfile.TemporaryFile(dir=directory).close()
+
+
+# The torch each folder needs: the release that made its APIs public (fully_shard, which 08, 09, 11, 12 and 13 use, and
+# pipelining as 10 uses it: 2.6; register_post_accumulate_grad_hook: 2.1; all_gather_single and
+# reduce_scatter_single: 2.13). 08-13 also check it at their top.
+NEEDS_TORCH = {"08_fsdp": (2, 6), "09_tensor_parallel": (2, 6), "10_pipeline_parallel": (2, 6), "11_gpt": (2, 6),
+               "12_context_parallel": (2, 6), "13_pipeline_4d": (2, 6), "ddp_by_hand": (2, 1), "zero_by_hand": (2, 13)}
+
+
+def check_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Refuse now, in one line, what would otherwise fail later, on one rank only, or in a traceback."""
+    needs = NEEDS_TORCH.get(STAGE.split("/")[0], (2, 0))
+    if torch.__version__ < needs:
+        p.error(f"torch {torch.__version__} is too old for {STAGE}: it needs {needs[0]}.{needs[1]} or newer "
+                f"(the tutorial is tested with 2.13); see 'Using another torch' in README.md")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("argument --device: cuda asked but no GPU is visible; use --device cpu (or auto)")
+    gpus = torch.cuda.device_count() if args.device != "cpu" and torch.cuda.is_available() else 0  # auto or cuda
+    spawned = getattr(args, "world_size", None)  # stage 03 starts its processes itself
+    if gpus and spawned and spawned > gpus:
+        p.error(f"argument --world-size: {spawned} processes but {gpus} GPU(s) visible; "
+                f"use --world-size {gpus} or fewer (or --device cpu)")
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes torchrun started on this node
+    if gpus and local_world_size > gpus:
+        p.error(f"torchrun --nproc_per_node: {local_world_size} processes but {gpus} GPU(s) visible; "
+                f"use --nproc_per_node={gpus} or fewer (or --device cpu)")
+    if "world_size" in args and "MASTER_PORT" in os.environ:  # stage 03, with a port of yours: check it now
+        port = os.environ["MASTER_PORT"]
+        if not (port.isdigit() and 0 < int(port) < 65536):
+            p.error(f"MASTER_PORT={port} is not a port number; unset it (a free port is picked) or use 1-65535")
+        if not port_is_free(int(port)):
+            p.error(f"MASTER_PORT={port} is in use by another process; unset it (a free port is picked) "
+                    f"or choose another")
+    if args.out is not None:
+        try:  # fail now, not after training
+            ensure_writable(args.out)
+        except OSError as e:
+            p.error(f"argument --out: cannot write to {args.out} ({e.strerror}); choose a writable directory")
+    return args
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as rank 0's store does
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int) -> dict:
+    """Weights and momentum after `epoch` epochs, whole and on the CPU: tour.py replays each epoch from them."""
+    def whole(t: torch.Tensor) -> torch.Tensor:  # a DTensor (08, 09) is all-gathered: every rank calls this
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+    params = list(model.parameters())
+    return {"epoch": epoch, "params": [whole(p) for p in params],
+            "momentum": [whole(optimizer.state[p]["momentum_buffer"]) if p in optimizer.state else None
+                         for p in params]}
+
+
+class Trajectory(list):
+    """--out: state_of() at the start and after every epoch, which tour.py replays. Made only with --out: each entry
+    copies the whole model (in 08 and 09 an all-gather of it), which a run that does not keep it must not pay for."""
+
+    def __init__(self, trainer) -> None:
+        super().__init__()
+        self.trainer = trainer
+        self(getattr(trainer, "epochs_run", 0))  # a resumed run (06-09) records from the epoch it resumed at
+
+    def __call__(self, epoch: int) -> None:  # Trainer.train calls it after every epoch
+        self.append(self.state(epoch))
+
+    def state(self, epoch: int) -> dict:
+        return state_of(self.trainer.model, self.trainer.optimizer, epoch)
+
+
+def save_run(args: argparse.Namespace, trainer, trajectory: list[dict], model: nn.Module, device: torch.device,
+             evaluation: tuple, seconds: float, world_size: int = 1, max_diff: float | None = 0.0, **facts) -> None:
+    """--out: summary.json (the run in numbers), model.pt (the plain model) and trajectory.pt (for the replay)."""
+    loss_sum, correct, count = evaluation
+    global_batch = facts.pop("global_batch", args.batch_size * world_size)
+    epochs_here = len(trajectory) - 1  # trained by this run: a resumed one records from where it resumed
+    summary = {
+        "stage": STAGE, "world_size": world_size, "backend": dist.get_backend() if dist.is_initialized() else None,
+        "device": device.type, "global_batch": global_batch, "batch_size": args.batch_size, "epochs": args.epochs,
+        "lr": args.lr, "dtype": args.dtype, "seed": args.seed, "steps": trainer.steps, "losses": trainer.losses,
+        "eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_count": count,
+        "replica_max_abs_diff": max_diff, "seconds": seconds,
+        "samples_per_s": epochs_here * len(trainer.train_loader) * global_batch / seconds,
+        # Samples an epoch trains on: more than the data where DistributedSampler pads (tour.replay_error follows it).
+        "epoch_samples": getattr(trainer.train_loader.sampler, "total_size", len(trainer.train_loader.dataset)),
+        **facts,
+    }
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    torch.save(model.state_dict(), args.out / "model.pt")
+    torch.save(list(trajectory), args.out / "trajectory.pt")
+
+
+def explain_peer_failure(error: RuntimeError, timeout: float) -> str | None:
+    """One line for the two ways another rank's failure reaches this one; None for any other error."""
+    text = str(error).lower()
+    if "timed out" in text or "timeout" in text:
+        return (f"waited more than --timeout {timeout:g}s for another rank: it stalled, died or skipped a "
+                f"collective this rank called; raise --timeout only if a rank legitimately works alone that long")
+    if "connection closed by peer" in text or "connection reset by peer" in text:
+        return "another rank closed its connection (it died): its own error, or its launcher's, says why"
+    return None
+
+
+def exit_without_teardown() -> None:
+    """Leave without Python's interpreter teardown: a gloo worker thread may still be releasing the last
+    collective, which needs the GIL, and teardown aborts it ("terminate called without an active exception":
+    5 of 22 runs here; 0 of 60 with this exit). Nothing is left to clean up."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+# ─── This stage's own checks ──────────────────────────────────────────────────────────────────────────────────
+# Settings and files refused in one line (the model's shape, --tp, the corpus, a checkpoint directory); a failed save
+# says why; the whole state for the trajectory; memory, speed and the files of --out.
+
+
+PROGRESS = "progress.json"  # beside the shards: steps done, losses, and the settings the checkpoint was made with
+CHECKPOINT = re.compile(r"step_(\d{6,})")  # a complete checkpoint; "step_NNNNNN.tmp" is one being written
+
+
+def checkpoints(directory: Path) -> list[Path]:
+    """The complete checkpoints in `directory`, oldest first."""
+    found = [p for p in directory.iterdir() if CHECKPOINT.fullmatch(p.name)] if directory.is_dir() else []
+    return sorted(found, key=lambda p: int(CHECKPOINT.fullmatch(p.name).group(1)))
+
+
+def check_checkpoint_arg(p: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    if args.snapshot is not None:
+        if args.snapshot.exists() and not args.snapshot.is_dir():
+            p.error(f"argument --snapshot: {args.snapshot} is a file; give a directory (each rank writes its own "
+                    f"shards)")
+        try:  # fail now, not at the first save
+            ensure_writable(args.snapshot)
+        except OSError as e:
+            p.error(f"argument --snapshot: cannot write to {args.snapshot} ({e.strerror}); "
+                    f"choose a writable directory")
+    return args
+
+
+def check_gpt_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """The model's shape, the mesh and the corpus: refused now, in one line, rather than in a traceback on a rank."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if args.width % args.heads:
+        p.error(f"argument --heads: {args.heads} does not divide --width {args.width} (each head takes an equal "
+                f"part of the width)")
+    if args.tp > 1 and args.parallel != "fsdp":
+        p.error("argument --tp: tensor parallelism is combined with FSDP2 over dp here (stage 09); add "
+                "--parallel fsdp")
+    if world_size % args.tp:
+        p.error(f"argument --tp: {args.tp} does not divide the world size {world_size} (the mesh is dp x "
+                f"{'cp x ' if 'cp' in args else ''}tp processes); use a divisor of {world_size}")
+    if "cp" in args:  # stage 12's context parallelism (--cp), and 13's
+        if world_size % (args.cp * args.tp):
+            p.error(f"argument --cp: {args.cp} x --tp {args.tp} does not divide the world size {world_size} (the mesh "
+                    f"is dp x cp x tp processes); use a cp that divides {world_size // args.tp}")
+        multiple, why = (args.cp, "cp") if args.no_zigzag else (2 * args.cp, "2 x cp: zigzag cuts it into 2 cp chunks")
+        if args.cp > 1 and args.context % multiple:
+            p.error(f"argument --context: {args.context} is not a multiple of {multiple} ({why}); use --context "
+                    f"{max(multiple, args.context // multiple * multiple)}")
+        if args.cp > 1 and args.compile:
+            p.error("argument --compile: the ring's sends and receives run between the compiled parts; compile with "
+                    "--cp 1")
+    if "pp" in args:  # stage 13's pipeline parallelism (--pp)
+        if world_size % (args.pp * args.cp * args.tp):
+            p.error(f"argument --pp: {args.pp} x --cp {args.cp} x --tp {args.tp} does not divide the world size "
+                    f"{world_size} (the mesh is dp x pp x cp x tp processes); use a pp that divides "
+                    f"{world_size // (args.cp * args.tp)}")
+        if args.pp > 1 and args.parallel != "fsdp":
+            p.error("argument --pp: pipelining is combined with FSDP2 over dp here (DDP's reducer fails an internal "
+                    "assert when a schedule runs several backwards a step, torch 2.13); add --parallel fsdp")
+        if args.pp > args.layers:
+            p.error(f"argument --pp: {args.pp} stages need at least {args.pp} blocks (each stage holds whole blocks), "
+                    f"not --layers {args.layers}; use --pp {args.layers} or fewer")
+        if args.pp > 1 and args.pp_schedule == "1f1b" and args.accumulate < args.pp:
+            p.error(f"argument --accumulate: 1F1B needs at least one micro-batch per stage, {args.pp}, not "
+                    f"{args.accumulate}; use --accumulate {args.pp} or more (or --pp-schedule gpipe)")
+    if "ep" in args:  # stage 14's experts (--experts, --top-k, --ep)
+        dp_cp = world_size // (args.pp * args.tp)
+        if args.top_k > args.experts:
+            p.error(f"argument --top-k: {args.top_k} is more than --experts {args.experts}; use {args.experts} or "
+                    f"fewer")
+        if args.experts % args.ep:
+            p.error(f"argument --ep: {args.ep} does not divide --experts {args.experts} (each ep rank holds as many "
+                    f"experts); use one of {[d for d in range(1, args.experts + 1) if args.experts % d == 0]}")
+        if dp_cp % args.ep:
+            p.error(f"argument --ep: {args.ep} does not divide the {dp_cp} dp x cp processes (the world size "
+                    f"{world_size} over pp {args.pp} x tp {args.tp}), which share out the experts; use one of "
+                    f"{[d for d in range(1, dp_cp + 1) if dp_cp % d == 0 and args.experts % d == 0]}")
+        if args.aux_weight < 0:
+            p.error(f"argument --aux-weight: must be 0 (no balancing loss) or positive, got {args.aux_weight}")
+    if args.heads % args.tp:
+        p.error(f"argument --tp: {args.tp} does not divide --heads {args.heads} (each tp rank computes whole heads); "
+                f"use one of {[d for d in range(1, args.heads + 1) if args.heads % d == 0]}")
+    if args.amp and args.dtype == "float64":
+        p.error("argument --amp: autocast leaves float64 alone, so nothing would run in bfloat16; use --dtype float32")
+    if args.clip < 0:
+        p.error(f"argument --clip: must be 0 (no clipping) or a positive norm, got {args.clip}")
+    if args.decay_steps is None:
+        args.decay_steps = args.max_steps
+    if args.warmup_steps is None:
+        args.warmup_steps = max(1, args.decay_steps // 20)
+    if args.warmup_steps > args.decay_steps:
+        p.error(f"argument --warmup-steps: {args.warmup_steps} is past --decay-steps {args.decay_steps} (the decay "
+                f"starts when the warm-up ends); use {args.decay_steps} or less")
+    if args.sample < 0:
+        p.error(f"argument --sample: must be 0 or more characters, got {args.sample}")
+    try:
+        corpus = load_corpus(args.data)
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).split(":")[0]
+        p.error(f"argument --data: cannot read {args.data} as UTF-8 text ({why})")
+    shortest = min(len(corpus.train), len(corpus.held_out))
+    if args.context >= shortest:
+        p.error(f"argument --context: {args.context} characters is longer than the text allows: it holds "
+                f"{len(corpus.held_out):,} held-out characters after {len(corpus.train):,} to train on; "
+                f"use --context {max(shortest - 1, 1)} or less, or a longer text (--data)")
+    return args
+
+
+class SnapshotError(Exception):
+    """A --snapshot directory that cannot be resumed from: reported in one line, exit status 2."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Reads a checkpoint's .metadata, which dcp.load unpickles as it is: only what metadata is made of passes."""
+
+    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+               ("pathlib", "WindowsPath"), ("collections", "OrderedDict"),
+               ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+    def find_class(self, module: str, name: str):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        # The metadata's own classes (dataclasses, an enum); not its module's functions, which a pickle could call.
+        metadata_class = module == "torch.distributed.checkpoint.metadata" and \
+            isinstance(getattr(dcp.metadata, name, None), type)
+        if (module, name) in self.ALLOWED or dtype or metadata_class:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata (a pickle that runs "
+                                     f"code?)")
+
+
+def load_snapshot(args: argparse.Namespace, dp: int) -> dict | None:
+    """Check the newest checkpoint in --snapshot without reading its shards; None if there is none yet."""
+    directory = args.snapshot
+    strangers = [p.name for p in directory.iterdir() if not CHECKPOINT.fullmatch(p.name.removesuffix(".tmp"))] \
+        if directory.is_dir() else []
+    if strangers:
+        raise SnapshotError(f"{directory} is not a checkpoint directory of this stage (it holds {strangers[0]}); "
+                            f"give a new or empty directory")
+    if not (found := checkpoints(directory)):
+        return None
+    path = found[-1]
+    try:
+        progress = json.loads((path / PROGRESS).read_text())
+        with open(path / ".metadata", "rb") as f:  # what was saved, and where each piece lies
+            metadata = MetadataUnpickler(f).load()
+    except Exception as e:  # a file missing or unreadable
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SnapshotError(f"cannot load {path}: {first_line}") from e
+    keys = {"steps", "losses", "curve", "grad_norms", "seed", "global_batch", "dtype", "model", "world_size",
+            "schedule"}
+    if not isinstance(progress, dict) or not keys <= progress.keys():
+        raise SnapshotError(f"{path / PROGRESS} is not this stage's (expected the keys {sorted(keys)})")
+    # The model's shape as train.py builds it: the flags named as Config's fields (stage 14 adds experts, top_k).
+    cfg = Config(len(set(args.data.read_text(encoding="utf-8"))), *(getattr(args, f) for f in Config._fields[1:]))
+    with torch.device("meta"):
+        expected = {f"model.{k}": list(v.shape) for k, v in GPT(cfg).state_dict().items()}
+    found_shapes = {k: list(getattr(metadata.state_dict_metadata.get(k), "size", [])) for k in expected}
+    if found_shapes != expected or progress["model"] != cfg._asdict():
+        def shape(model: dict) -> str:  # "context 32, layers 4, heads 4, width 128, vocab 65" (14: and experts)
+            return ", ".join(f"{k} {model.get(k)}" for k in [*Config._fields[1:], "vocab"])
+        raise SnapshotError(f"{path} holds another model: {shape(progress['model'])} (this run: "
+                            f"{shape(cfg._asdict())}); resume with the same, or use another --snapshot")
+    for piece in metadata.storage_data.values():  # a shard file missing or cut short: found now, not mid-load
+        file = path / piece.relative_path
+        if not file.exists() or file.stat().st_size < piece.offset + piece.length:
+            raise SnapshotError(f"{file} is {'truncated' if file.exists() else 'missing'}; that checkpoint is "
+                                f"incomplete")
+    global_batch = dp * args.accumulate * args.batch_size
+    made_with = (progress["seed"], progress["global_batch"], progress["dtype"])
+    if made_with != (args.seed, global_batch, args.dtype):
+        raise SnapshotError(f"{path} was made with --seed {made_with[0]}, global batch {made_with[1]} and "
+                            f"--dtype {made_with[2]}; resume with the same, or use another --snapshot")
+    if progress["schedule"] != schedule(args):  # the rate of every step to come depends on all three
+        made = progress["schedule"]
+        raise SnapshotError(f"{path} was made with --lr {made.get('lr')} --warmup-steps {made.get('warmup_steps')} "
+                            f"--decay-steps {made.get('decay_steps')}; resume with the same (a longer run: a larger "
+                            f"--max-steps, the same --decay-steps), or use another --snapshot")
+    return {"path": path, **progress}
+
+
+def schedule(args: argparse.Namespace) -> dict:
+    """What learning_rate() reads besides the step: saved with a checkpoint, checked when resuming."""
+    return {"lr": args.lr, "warmup_steps": args.warmup_steps, "decay_steps": args.decay_steps}
+
+
+def failed_save(error: Exception, tmp: Path, directory: Path) -> OSError:
+    """One line for a save that failed on some rank (dcp names each failure), and what is still there."""
+    causes = "; ".join(f"rank {r}: {exc}" for r, (exc, _) in error.failures.items()) \
+        if isinstance(error, dcp.CheckpointException) else str(error)
+    free = shutil.disk_usage(directory).free
+    kept = f"{checkpoints(directory)[-1]} is still the last checkpoint" if checkpoints(directory) \
+        else "there is no earlier checkpoint"
+    return OSError(f"writing the checkpoint {tmp} failed ({causes}; {free} bytes free on that disk); {kept}")

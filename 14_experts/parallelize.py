@@ -1,0 +1,157 @@
+"""What the stages taught, on the GPT: who holds and computes what. A pp x (dp x cp) x tp grid of processes (stage
+09's mesh, in three dimensions), each block's experts shared out over ep of the dp x cp ranks (experts.py), each
+block's attention split over tp (stage 09), the model wrapped in DDP (stages 03-06) or sharded by FSDP2 (stage 08)
+over dp x cp, the gradient clipped by its norm over the whole model however it is split
+(over the pipeline's stages too), and the whole model gathered for saving."""
+from __future__ import annotations
+
+import argparse
+import logging
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from context_parallel import ContextParallel
+from experts import ExpertParallel, MoE
+from model import GPT, Config
+from pipeline import Pipeline
+
+
+def make_mesh(device: torch.device, shape: tuple[int, ...], names: tuple[str, ...], timeout: float) -> DeviceMesh:
+    """Stage 09's grid, in as many dimensions as `shape` (the last one's ranks consecutive: one node), with a process
+    group along each dimension for every line of ranks that differ in that coordinate alone (in two, (dp, tp): one for
+    each column and one for each row), every one waiting --timeout like the world's: init_device_mesh would give them
+    the backend's default, 30 minutes, so a stalled rank would hang the job."""
+    grid = torch.arange(dist.get_world_size()).reshape(shape)
+    wait = timedelta(seconds=timeout)
+    groups = [dist.new_subgroups_by_enumeration(grid.movedim(d, -1).reshape(-1, n).tolist(), timeout=wait)[0]
+              for d, n in enumerate(shape)]  # every rank makes every group, in the same order
+    # On the training device explicitly: the default is cuda wherever a GPU is visible (pytorch#132471).
+    return DeviceMesh.from_group(groups, device.type, mesh=grid, mesh_dim_names=names)
+
+
+# Stage 09's pairing, on a transformer block: q, k and v split column-wise (each tp rank computes whole heads, its
+# share of them, without talking), the attention's output projection row-wise (partial sums, all-reduced over tp).
+# Per block, one all-reduce forward and three backward (the gradient of each column-wise layer's input is a sum over
+# tp). The experts are not split over tp: a tp row's ranks hold the same tokens, and each computes the experts whole
+# (ep splits them instead). Embeddings, norms and the head stay whole on every tp rank; FSDP2 shards them over dp.
+TP_PLAN = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+           "attn.proj": RowwiseParallel()}
+
+
+def parallelize(model: GPT, mesh: DeviceMesh, cp: ContextParallel, ep: ExpertParallel,
+                args: argparse.Namespace) -> nn.Module:
+    """The model as this rank trains it: its experts over ep (--ep), its attention over cp (--cp), split over tp
+    (--tp), compiled (--compile), then DDP or FSDP2 over dp x cp: every cp rank holds the whole model (or a shard of
+    it, as a dp rank does) and computes a gradient of its own tokens' loss; averaged over dp x cp, that is the
+    gradient of the global batch. The expert weights under --ep are averaged by hand (ExpertParallel)."""
+    for block in model.blocks.values():
+        moe: MoE = block.moe
+        moe.ep, moe.capacity_factor = ep, args.capacity_factor
+        # The balancing loss joins the step's loss as the mean over its micro-batches, like the loss (under --pp,
+        # torch's schedule divides every gradient by the micro-batches itself).
+        moe.aux_weight = args.aux_weight / (1 if args.pp > 1 else args.accumulate)
+        # --balance batch: the loss counts the load over every dp x cp rank's tokens, as one process would.
+        moe.balance_group = mesh.get_group("dp_cp") if args.balance == "batch" else None
+        for name in ("fc_weight", "fc_bias", "proj_weight", "proj_bias"):  # each rank keeps its E / ep experts
+            setattr(moe.experts, name, ep.shard(getattr(moe.experts, name)))
+    if cp.size > 1:
+        model.cp = cp  # (for the positions its tokens are at)
+        for block in model.blocks.values():
+            block.attn.cp = cp
+    if args.tp > 1:  # every rank built the same weights (the same seed): each keeps its slice, no broadcast
+        for block in model.blocks.values():
+            parallelize_module(block, mesh["tp"], TP_PLAN)
+        # Gathering a weight split over tp and sharded over dp takes two all-gathers: torch warns, on every rank.
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    if args.compile:  # each block compiled on its own, in place (the parameters keep their names)
+        for block in model.blocks.values():
+            block.compile()
+    if args.parallel == "fsdp":  # stage 08: each block a unit, gathered whole only while it computes
+        # --amp bf16: the shards stay float32 (the optimizer's), gathered as bfloat16 (half the bytes) for the
+        # forward and backward; the gradients are reduce-scattered in float32, so the average rounds as without it.
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.amp == "bf16" \
+            else MixedPrecisionPolicy()
+        # Under --ep the experts are left out: a rank's are its own, averaged over their replicas by hand.
+        mine = {p for name, p in model.named_parameters() if ".experts." in name} if ep.size > 1 else None
+        for block in model.blocks.values():
+            fully_shard(block, mesh=mesh["dp_cp"], mp_policy=mp, ignored_params=mine)
+        return fully_shard(model, mesh=mesh["dp_cp"], mp_policy=mp, ignored_params=mine)  # the rest: the root
+    # Stages 03-06: a replica per rank; the constructor broadcasts rank 0's weights, backward averages gradients.
+    device = next(model.parameters()).device
+    if ep.size > 1:  # DDP would average them over every rank; a rank's experts are its own (average_gradients)
+        DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in model.named_parameters()
+                                                                if ".experts." in n])
+    return DDP(model, device_ids=[device] if device.type == "cuda" else None, process_group=mesh.get_group("dp_cp"))
+
+
+def full_model(model: nn.Module, cfg: Config, pipe: Pipeline) -> GPT | None:
+    """The whole model as a plain GPT on rank 0's CPU, None on the other ranks (every rank calls this): the pieces
+    are sent unit by unit and only rank 0 keeps them (full_state_dict with cpu_offload), as when saving one file.
+    --pp: each stage's ranks gather its part so, and the stages send theirs to the first stage."""
+    if pipe.size == 1:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:  # (cpu_offload keeps the state on global rank 0 only, which holds the first stage alone)
+        part = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        parts = [{} for _ in range(pipe.size)] if pipe.first else None
+        dist.gather_object({k: v.cpu() for k, v in part.items()}, parts, group=pipe.group, group_dst=0)
+        state = {k: v for part in parts for k, v in part.items()} if pipe.first else {}
+    if dist.get_rank() != 0:
+        return None
+    with torch.device("meta"):  # no memory and no random draws: the weights come from `state`
+        full = GPT(cfg)
+    full.load_state_dict(state, assign=True)  # (no "module." prefix: get_model_state_dict drops DDP's)
+    return full
+
+
+def clip_gradients(model: nn.Module, max_norm: float, pipe: Pipeline) -> torch.Tensor:
+    """Scale the gradients down so that their norm, over the whole model, is at most max_norm (0: never); return
+    the norm before. One rare large gradient then cannot undo many steps. The norm is of the whole gradient, as one
+    process would compute it, however it is split: DDP's gradients are whole on every rank (already averaged), but
+    a DTensor's (FSDP2's shards, tp's slices) is this rank's piece, and its norm a collective over the piece's mesh:
+    DTensor sums the pieces' squares there (an all-reduce, inside get_total_norm). The embeddings and norms lie on
+    the dp x cp mesh, tp's layers on (dp x cp) x tp: one norm per mesh (torch's clip_grad_norm_ refuses a mix), then
+    the total, over the stages of the pipeline (--pp: each holds the gradient of its blocks only)."""
+    by_mesh: dict = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    squares = []
+    for params in by_mesh.values():  # the same meshes in the same order on every rank (the model's order)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)  # (already whole: a copy)
+    total = torch.stack(squares).sum()
+    if pipe.size > 1:
+        dist.all_reduce(total, group=pipe.group)
+    total = total.sqrt()
+    if max_norm > 0:
+        for params in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total.detach()
+
+
+
+def replica_max_abs_diff(model: nn.Module, mesh: DeviceMesh, ep: ExpertParallel) -> float:
+    """DDP's replicas must agree: the largest difference of any rank's parameters from its first replica's, over dp x
+    cp (with --tp, each rank's own slices, which its replicas hold too); under --ep a rank's experts are compared
+    with the ranks that hold the same experts (ep.replicas) only."""
+    experts = [p for name, p in model.named_parameters() if ".experts." in name] if ep.size > 1 else []
+    rest = [p for p in model.parameters() if all(p is not e for e in experts)]
+    gap = largest_gap(rest, mesh.get_group("dp_cp"))
+    return max(gap, largest_gap(experts, ep.replicas)) if ep.replicas is not None else gap
+
+
+def largest_gap(params: list[nn.Parameter], group: dist.ProcessGroup) -> float:
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    flat = torch.cat([p.detach().flatten() for p in local])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, flat, group=group)
+    return max((g - gathered[0]).abs().max().item() for g in gathered)
