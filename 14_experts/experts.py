@@ -154,7 +154,8 @@ class Experts(nn.Module):
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows sorted by expert, counts[e] of them for this rank's expert e: each run through its own."""
-        weights = [p.to_local() if isinstance(p, DTensor) else p
+        # (.to: under --amp with FSDP2 the rows come in bfloat16, as FSDP2 gathers the other weights; not these)
+        weights = [(p.to_local() if isinstance(p, DTensor) else p).to(rows.dtype)
                    for p in (self.fc_weight, self.fc_bias, self.proj_weight, self.proj_bias)]
         outs = [F.gelu(chunk @ w1.T + b1) @ w2.T + b2
                 for chunk, w1, b1, w2, b2 in zip(rows.split(counts.tolist()), *weights, strict=True)]
@@ -197,7 +198,7 @@ class MoE(nn.Module):
         out = (self.ep.run(self.experts, x[token], counts) if self.ep is not None else self.experts(x[token], counts))
         # Combine: each token's rows, weighted by their gates, added into its place (a dropped choice adds nothing:
         # the block's residual carries the token on).
-        out = torch.zeros_like(x).index_add_(0, token, out * gates.flatten()[order, None])
+        out = torch.zeros_like(x).index_add_(0, token, (out * gates.flatten()[order, None]).to(x.dtype))  # (--amp)
         if self.training:
             aux = balance_loss(probs, chosen, self.balance_group)
             out = WithBalanceLoss.apply(out, aux, self.aux_weight)
@@ -208,7 +209,7 @@ class MoE(nn.Module):
 
 class ExpertLog:
     """What the experts did, per step (the log line and --out): the tokens each expert of each block took, the
-    balancing loss (summed over the blocks), the share of the (token, expert) pairs dropped; over every rank's tokens.
+    balancing loss (the blocks' mean), the share of the (token, expert) pairs dropped; over every rank's tokens.
     Read from the MoE layers once a step, gathered with the losses (one all-reduce for many steps)."""
 
     def __init__(self, model: nn.Module, cfg, device: torch.device) -> None:
@@ -218,7 +219,7 @@ class ExpertLog:
         self.shape, self.top_k, self.device = (cfg.layers, cfg.experts + 2), cfg.top_k, device
         self.pending: list[torch.Tensor] = []  # a [blocks, E + 2] tally per step not yet settled
         self.load: list[list[list[int]]] = []  # per step, per block, per expert: tokens
-        self.aux_losses: list[float] = []
+        self.aux_losses: list[float] = []  # E x sum f_i P_i, the blocks' mean: 1 when even
         self.dropped: list[float] = []
 
     def step_done(self, micro_batches: int) -> None:
@@ -239,7 +240,7 @@ class ExpertLog:
         for group in groups:
             dist.all_reduce(tally, group=group)
         self.load += tally[:, :, :-2].long().tolist()
-        self.aux_losses += (tally[:, :, -2].sum(1) / forwards).tolist()
+        self.aux_losses += (tally[:, :, -2].mean(1) / forwards).tolist()
         self.dropped += (tally[:, :, -1].sum(1) / (tokens * self.top_k * self.shape[0])).tolist()
         self.pending = []
 
@@ -272,7 +273,8 @@ def describe_experts(args: argparse.Namespace, cfg, ep: ExpertParallel, split: b
                        "(--capacity-factor)")
     capacity = "dropless: every token reaches its experts" if not args.capacity_factor else \
         f"capacity {args.capacity_factor:g} x an expert's even share of a rank's tokens, the rest skip it"
-    return (f"experts: {cfg.experts} per block, each token to {cfg.top_k} | ep {ep.size}: {cfg.experts // ep.size} "
-            f"experts a rank | balancing loss x {args.aux_weight:g}, its load counted over "
+    mine = cfg.experts // ep.size
+    return (f"experts: {cfg.experts} per block, each token to {cfg.top_k} | ep {ep.size}: {mine} "
+            f"expert{'s' if mine > 1 else ''} a rank | balancing loss x {args.aux_weight:g}, its load counted over "
             f"{'the whole micro-batch' if args.balance == 'batch' else 'each rank'} | {capacity}"
             + (" | this run trains differently from one process: " + "; ".join(differs) if differs else ""))

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-if torch.__version__ < (2, 6):  # fully_shard (FSDP2) is public from torch 2.6; older ones fail on the imports below
-    print(f"13_pipeline_4d/train.py: error: needs torch 2.6 or newer, not {torch.__version__}", file=sys.stderr)
+if torch.__version__ < (2, 7):  # fully_shard (FSDP2) is public from torch 2.6, its ignored_params from 2.7
+    print(f"14_experts/train.py: error: needs torch 2.7 or newer, not {torch.__version__}", file=sys.stderr)
     sys.exit(2)
 
 import torch.distributed as dist

@@ -306,10 +306,11 @@ def ensure_writable(directory: Path) -> None:
 
 
 # The torch each folder needs: the release that made its APIs public (fully_shard, which 08, 09, 11, 12 and 13 use, and
-# pipelining as 10 uses it: 2.6; register_post_accumulate_grad_hook: 2.1; all_gather_single and
-# reduce_scatter_single: 2.13). 08-13 also check it at their top.
+# pipelining as 10 uses it: 2.6; fully_shard's ignored_params, 14's: 2.7; register_post_accumulate_grad_hook: 2.1;
+# all_gather_single and reduce_scatter_single: 2.13). 08-14 also check it at their top.
 NEEDS_TORCH = {"08_fsdp": (2, 6), "09_tensor_parallel": (2, 6), "10_pipeline_parallel": (2, 6), "11_gpt": (2, 6),
-               "12_context_parallel": (2, 6), "13_pipeline_4d": (2, 6), "ddp_by_hand": (2, 1), "zero_by_hand": (2, 13)}
+               "12_context_parallel": (2, 6), "13_pipeline_4d": (2, 6), "14_experts": (2, 7), "ddp_by_hand": (2, 1),
+               "zero_by_hand": (2, 13)}
 
 
 def check_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:

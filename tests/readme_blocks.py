@@ -207,7 +207,8 @@ HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 # READMEs whose commands run through torchrun and python themselves, not the shims: the GPT stages' (the tour runs
 # stages 01-10 through their real launchers, with its own flags; nothing else ran 11's and 12's). ~45 CPU-s more.
 # The other READMEs' first launch of each script runs through its real launcher too (real_once).
-THROUGH_LAUNCHERS = tuple(ROOT / stage / "README.md" for stage in ("11_gpt", "12_context_parallel", "13_pipeline_4d"))
+THROUGH_LAUNCHERS = tuple(ROOT / stage / "README.md" for stage in ("11_gpt", "12_context_parallel", "13_pipeline_4d",
+                                                                  "14_experts"))
 
 
 def launch_shims(tmp: Path) -> Path:

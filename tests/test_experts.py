@@ -40,7 +40,7 @@ BUGS = {
     # The rows arrive by sender, each sender's by expert: regrouped as if by expert first, a row meets another expert.
     "slot": ("mine = torch.arange(sent.shape[1], device=rows.device).repeat(self.size)",
              "mine = torch.arange(sent.shape[1], device=rows.device).repeat_interleave(self.size)", EP2),
-    "gates": ("index_add_(0, token, out * gates.flatten()[order, None])", "index_add_(0, token, out)", EP2),
+    "gates": ("index_add_(0, token, (out * gates.flatten()[order, None])", "index_add_(0, token, (out", EP2),
     "splits": ("dist.all_to_all_single(back, grad.contiguous(), ctx.send_splits, ctx.recv_splits, group=ctx.group)",
                "dist.all_to_all_single(back, grad.contiguous(), ctx.recv_splits, ctx.send_splits, group=ctx.group)",
                EP2),
@@ -150,8 +150,8 @@ def test_the_backward_with_the_forwards_splits_is_caught(runs):
     if run.returncode == 0:
         worst, _ = compare("**negative control**: splits", run, runs["one_acc"])
         assert worst > 1e3 * TOL, f"the splits copy is within {worst:.2e} of one process (seed {SEED})"
-    else:
-        assert "all_to_all" in run.stdout + run.stderr or "Split sizes" in run.stdout + run.stderr, run.describe()
+    else:  # gloo: "RuntimeError: Split sizes doesn't match total dim 0 size", on every rank
+        assert "Split sizes doesn't match" in run.stdout + run.stderr, run.describe()
 
 
 def test_bad_expert_flags_are_one_line_and_exit_2():

@@ -102,6 +102,9 @@ PP_STAGE = "13_pipeline_4d"  # 12 with pp: its cp stalls and dies as 12's does (
 # a receive on the pp group (make_mesh's; with cp too, the cp group's timeout would end the job first).
 PP_FAULT = Step(PP_STAGE, "torchrun", (*GPT_FAULT.args, "--layers", "2", "--pp", "2", "--parallel", "fsdp",
                                        "--accumulate", "2"), nproc=2)
+EP_STAGE = "14_experts"  # 13 with experts: killed as ep 2, whose ranks wait on each other in every block's all-to-all
+EP_FAULT = Step(EP_STAGE, "torchrun", (*GPT_FAULT.args, "--ep", "2"), nproc=2)
+GPT_FAULTS[EP_STAGE] = EP_FAULT  # (killed only: its stalls are a collective's, as 11's)
 GPT_FAULT_AFTER = {"after": "| train loss", "longer": ()}  # signalled() after its first step's line
 TIMEOUT = 5  # --timeout in the stall cases: how long the healthy ranks wait for the stalled one
 # 13-stalled-stage's: --timeout also bounds the start-up's store waits, and the (pp, dp x cp, tp) grid's groups once
@@ -499,7 +502,7 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
     if stage == "10_pipeline_parallel":  # alone, a world of 1 has one stage; 65 micro-batches of 64 leave one empty
         table |= {("--pp", "0"): "--pp", ("--pp", "2"): "--pp", ("--microbatches", "0"): "--microbatches",
                   ("--microbatches", "65"): "--microbatches", ("--schedule", "zb"): "--schedule"}
-    if stage in ("11_gpt", CP_STAGE, PP_STAGE):  # a GPT on a text: --max-steps (no --epochs); its shape, the text
+    if stage in ("11_gpt", CP_STAGE, PP_STAGE, EP_STAGE):  # a GPT on a text: --max-steps, its shape, the text
         del table[("--epochs", "-1")]
         table |= {("--max-steps", "0"): "--max-steps", ("--save-every", "0"): "--save-every",
                   ("--snapshot", "{file}"): "--snapshot", ("--snapshot", "{file}/ck"): "--snapshot",
@@ -515,11 +518,16 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
                   ("--sample", "x"): "--sample", ("--clip", "-1"): "--clip", ("--warmup-steps", "0"): "--warmup-steps",
                   ("--decay-steps", "0"): "--decay-steps",
                   ("--warmup-steps", "20", "--max-steps", "10"): "--warmup-steps"}  # a warm-up past the decay's end
-    if stage in (CP_STAGE, PP_STAGE):  # alone, a world of 1: only --cp 1 divides it
+    if stage in (CP_STAGE, PP_STAGE, EP_STAGE):  # alone, a world of 1: only --cp 1 divides it
         table |= {("--cp", "0"): "--cp", ("--cp", "x"): "--cp", ("--cp", "2"): "--cp",
                   ("--cp-impl", "torch"): "--cp-impl", ("--no-zigzag=1",): "--no-zigzag"}
-    if stage == PP_STAGE:  # and only --pp 1
+    if stage in (PP_STAGE, EP_STAGE):  # and only --pp 1
         table |= {("--pp", "0"): "--pp", ("--pp", "2"): "--pp", ("--pp-schedule", "zb"): "--pp-schedule"}
+    if stage == EP_STAGE:  # and only --ep 1; k at most E
+        table |= {("--experts", "0"): "--experts", ("--top-k", "0"): "--top-k", ("--top-k", "5"): "--top-k",
+                  ("--ep", "0"): "--ep", ("--ep", "2"): "--ep", ("--ep", "x"): "--ep",
+                  ("--capacity-factor", "0"): "--capacity-factor", ("--capacity-factor", "nan"): "--capacity-factor",
+                  ("--aux-weight", "-1"): "--aux-weight", ("--balance", "all"): "--balance"}
     return table
 
 
@@ -1138,7 +1146,7 @@ def test_every_flag_of_every_script_has_a_bad_value_case():
     ("01_single_gpu", "1.13.1", True), ("07_model_parallel", "2.0.0", False), ("08_fsdp", "2.5.1", True),
     ("09_tensor_parallel", "2.5.1", True), ("09_tensor_parallel", "2.6.0", False),
     ("10_pipeline_parallel", "2.5.1", True), ("11_gpt", "2.5.1", True), ("12_context_parallel", "2.5.1", True),
-    ("13_pipeline_4d", "2.5.1", True),
+    ("13_pipeline_4d", "2.5.1", True), ("14_experts", "2.6.0", True), ("14_experts", "2.7.0", False),
     ("ddp_by_hand/bucketed", "2.0.1", True), ("ddp_by_hand/bucketed", "2.1.0", False)])
 def test_a_torch_older_than_the_script_needs_is_refused_in_one_line(script, version, refused, monkeypatch, capsys):
     """Each script needs the torch of NEEDS_TORCH (one table, in the shared block): 08-13 need 2.6 and check it at

@@ -436,16 +436,19 @@ def test_bf16_with_fsdp_computes_with_bfloat16_weights_and_steps_float32_shards(
     assert seen[None] == ({torch.float32}, {torch.float32}, {torch.float32}, {torch.float32}), seen
 
 
-@pytest.mark.parametrize("stage", ["10_pipeline_parallel", STAGE, "12_context_parallel", "13_pipeline_4d"])
+@pytest.mark.parametrize("stage", ["10_pipeline_parallel", STAGE, "12_context_parallel", "13_pipeline_4d",
+                                   "14_experts"])
 def test_the_oldest_torch_it_accepts_is_accepted(stage, monkeypatch, capsys):
-    """The control of test_faults' refusal of torch 2.5.1 for 10-13 (their top-of-file check, then check_args):
-    2.6.0, the minimum NEEDS_TORCH names, gets past both, so a check that refused every version fails here. (Stage
-    10's case lives here too: test_faults.py, which holds the refusals, is edited by others; it belongs beside them.)"""
+    """The control of test_faults' refusal of the torch before the one NEEDS_TORCH names for 10-14 (2.5.1; 2.6.0 for
+    14): their top-of-file check, then check_args. The minimum itself gets past both, so a check that refused every
+    version fails here. (Stage 10's case lives here too: test_faults.py, which holds the refusals, is edited by
+    others; it belongs beside them.)"""
     from torch.torch_version import TorchVersion
 
     from harness import load_copy
-    assert load_stage("01_single_gpu").NEEDS_TORCH[stage] == (2, 6)
-    for version, accepted in (("2.6.0", True), ("2.5.1", False)):
+    major, minor = load_stage("01_single_gpu").NEEDS_TORCH[stage]
+    assert (major, minor) == ((2, 7) if stage == "14_experts" else (2, 6))
+    for version, accepted in ((f"{major}.{minor}.0", True), (f"{major}.{minor - 1}.1", False)):
         monkeypatch.setattr(torch, "__version__", TorchVersion(version))
         try:
             load_copy(ROOT / stage / "train.py").parse_args(["--device", "cpu"])
@@ -453,8 +456,8 @@ def test_the_oldest_torch_it_accepts_is_accepted(stage, monkeypatch, capsys):
         except SystemExit as e:
             code = e.code
         err = capsys.readouterr().err.strip()
-        assert (code is None and not err) if accepted else (code == 2 and "\n" not in err and "2.6" in err), \
-            (version, code, err)
+        assert (code is None and not err) if accepted else \
+            (code == 2 and "\n" not in err and f"{major}.{minor}" in err), (version, code, err)
 
 
 def test_the_learning_rate_warms_up_then_decays_along_a_cosine():

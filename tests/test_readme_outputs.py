@@ -152,6 +152,8 @@ SHOWN = [
     Shown("13_pipeline_4d/README.md", "[13_pipeline_4d] world size 4 = dp 1 x pp 2",
           "torchrun --standalone --nproc_per_node=4 13_pipeline_4d/train.py --pp 2 --cp 2",
           machine=GPT_MACHINE, rel=F32_GPT),
+    Shown("14_experts/README.md", "[14_experts] world size 4 = dp 4 x cp 1 x tp 1, ep 4",
+          "torchrun --standalone --nproc_per_node=4 14_experts/train.py --ep 4", machine=GPT_MACHINE, rel=F32_GPT),
     Shown("recipes/uneven_inputs/README.md", "[recipes/uneven_inputs] world size 2",
           "torchrun --standalone --nproc_per_node=2 recipes/uneven_inputs/train.py --epochs 5 --out runs/uneven"),
     Shown("recipes/uneven_inputs/README.md", "rank 1: [100.1",
@@ -182,7 +184,7 @@ SKIPPED = {  # (README, how the block's first line starts): why it is not compar
     ("12_context_parallel/README.md", "positions         0 1"): "a diagram of the two splits",
     ("benchmarks/README.md", "causal attention, forward + backward"):
         "the output of benchmarks/cp_balance.py at its defaults (given in the prose; about a minute), not of a block",
-    ("README.md", "01_single_gpu/ … 13_pipeline_4d/"): "the repository's layout",
+    ("README.md", "01_single_gpu/ … 14_experts/"): "the repository's layout",
     ("benchmarks/README.md", "tour: stages 01-09, world size 2, batch 32 per process = 64 global, float32; CPU (gloo)"):
         "the output of `python tour.py --dtype float32 --epochs 20` (and 60, given in the prose), not of the block "
         "above it",

@@ -155,7 +155,7 @@ PRIVATE_ALLOWED = {
     **{(stage, "torch.distributed.tensor._redistribute"):
        "a logger's name, to quiet a warning about a correct two-step gather: a name, not an API"
        for stage in ("09_tensor_parallel", "11_gpt", "12_context_parallel", "13_pipeline_4d", "14_experts")},
-    ("14_experts", "DDP._set_params_and_buffers_to_ignore_for_model"):
+    ("14_experts", "._set_params_and_buffers_to_ignore_for_model"):
         "DDP's one way to leave parameters out of its all-reduce (a rank's experts are its own); no public one",
     ("recipes/comm_hooks", "torch.utils._python_dispatch"):
         "counts the bytes each hook hands to gloo; CommDebugMode counts calls, not their tensors' bytes",
