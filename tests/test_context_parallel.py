@@ -25,7 +25,7 @@ import random
 import pytest
 
 from harness import ROOT, Run, Step, mutate, run_chains, tolerance
-from test_gpt import gaps, refusal
+from test_gpt import gaps, refusal, refused_in_one_line
 
 STAGE = "12_context_parallel"
 TOL = tolerance("float64")
@@ -140,11 +140,7 @@ def test_bad_combinations_are_one_line_and_exit_2():
         (["--cp", "2", "--compile"], {"WORLD_SIZE": "2"}, "--compile: the ring's sends"),
         (["--cp-impl", "torch"], {}, "--cp-impl: invalid choice"),
     ]
-    for args, env, message in cases:
-        code, err = refusal(args, env, STAGE)
-        lines = err.strip().splitlines()
-        assert code == 2 and len(lines) == 1 and lines[0].startswith(f"{STAGE}/train.py: error: ") \
-            and message in lines[0], (args, code, err)
+    refused_in_one_line(cases, STAGE)
     assert refusal(["--cp", "4", "--context", "24"], {"WORLD_SIZE": "8"}, STAGE)[0] == "accepted"  # dp 2 x cp 4
     assert refusal(["--cp", "2", "--tp", "2", "--parallel", "fsdp"], {"WORLD_SIZE": "4"}, STAGE)[0] == "accepted"
     assert refusal(["--cp", "4", "--context", "28", "--no-zigzag"], {"WORLD_SIZE": "4"}, STAGE)[0] == "accepted"

@@ -26,7 +26,7 @@ import pytest
 
 from harness import Run, Step, launch, mutate, run_chains, time_limit, tolerance
 from test_context_parallel import SEED, TINY, compare, equals_one_process
-from test_gpt import refusal
+from test_gpt import refusal, refused_in_one_line
 
 STAGE = "14_experts"
 TOL = tolerance("float64")
@@ -167,11 +167,7 @@ def test_bad_expert_flags_are_one_line_and_exit_2():
         (["--capacity-factor", "0"], {}, "--capacity-factor: must be a positive float"),
         (["--experts", "0"], {}, "--experts: must be a positive int"),
     ]
-    for args, env, message in cases:
-        code, err = refusal(args, env, STAGE)
-        lines = err.strip().splitlines()
-        assert code == 2 and len(lines) == 1 and lines[0].startswith(f"{STAGE}/train.py: error: ") \
-            and message in lines[0], (args, code, err)
+    refused_in_one_line(cases, STAGE)
     assert refusal(["--ep", "2", "--cp", "2", "--tp", "2", "--parallel", "fsdp"], {"WORLD_SIZE": "8"},
                    STAGE)[0] == "accepted"
     assert refusal(["--ep", "4", "--experts", "8"], {"WORLD_SIZE": "4"}, STAGE)[0] == "accepted"

@@ -246,6 +246,16 @@ def refusal(args: list[str], env: dict[str, str] | None = None, stage: str = STA
     return "accepted", err.getvalue()
 
 
+def refused_in_one_line(cases: list[tuple[list[str], dict[str, str], str]], stage: str = STAGE) -> None:
+    """Each (args, environment, message): the stage refuses it before joining a group, in one line that names the
+    script and holds the message, with exit status 2."""
+    for args, env, message in cases:
+        code, err = refusal(args, env, stage)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith(f"{stage}/train.py: error: ") \
+            and message in lines[0], (args, code, err)
+
+
 def test_bad_input_is_one_line_and_exit_2(runs, tmp_path):
     """A tp that does not divide the heads, a context longer than the text or than the checkpoint's model, an
     unreadable corpus, each as the README shows it; and, as a control, the same settings made right are accepted."""
@@ -264,11 +274,7 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path):
         ([*TINY, "--batch-size", "4", "--snapshot", ck], {}, "was made with --lr 0.01 --warmup-steps 2 --decay-steps "
                                                             "12; resume with the same"),  # default --max-steps
     ]
-    for args, env, message in cases:
-        code, err = refusal(args, env)
-        lines = err.strip().splitlines()
-        assert code == 2 and len(lines) == 1 and lines[0].startswith(f"{STAGE}/train.py: error: ") \
-            and message in lines[0], (args, code, err)
+    refused_in_one_line(cases)
     # The README's block shows four of these as a learner meets them: the same lines, word for word.
     shown = [b for b in BLOCKS if b.doc == ROOT / STAGE / "README.md" and b.lang == "text"
              and b.body.startswith(f"{STAGE}/train.py: error: argument --tp")]

@@ -24,7 +24,7 @@ import pytest
 
 from harness import Run, Step, mutate, run_chains, tolerance
 from test_context_parallel import ONE, SEED, TINY, compare, equals_one_process
-from test_gpt import refusal
+from test_gpt import refusal, refused_in_one_line
 
 STAGE = "13_pipeline_4d"
 TOL = tolerance("float64")
@@ -106,11 +106,7 @@ def test_bad_combinations_are_one_line_and_exit_2():
          "--pp: 4 stages need at least 4 blocks"),
         (["--pp", "2", "--parallel", "fsdp"], {"WORLD_SIZE": "2"}, "--accumulate: 1F1B needs at least one"),
     ]
-    for args, env, message in cases:
-        code, err = refusal(args, env, STAGE)
-        lines = err.strip().splitlines()
-        assert code == 2 and len(lines) == 1 and lines[0].startswith(f"{STAGE}/train.py: error: ") \
-            and message in lines[0], (args, code, err)
+    refused_in_one_line(cases, STAGE)
     assert refusal(["--pp", "2", "--parallel", "fsdp", "--pp-schedule", "gpipe"], {"WORLD_SIZE": "2"},
                    STAGE)[0] == "accepted"  # GPipe runs with fewer micro-batches than stages
     assert refusal(["--pp", "2", "--tp", "2", "--cp", "2", "--parallel", "fsdp", "--accumulate", "2"],
