@@ -173,7 +173,7 @@ class MoE(nn.Module):
         self.ep: ExpertParallel | None = None  # set by parallelize()
         self.capacity_factor: float | None = None  # --capacity-factor; None: dropless
         self.balance_group: dist.ProcessGroup | None = None  # --balance batch: the micro-batch's ranks
-        self.aux_weight = 0.0  # --aux-weight, per micro-batch (set by the Trainer)
+        self.aux_weight = 0.0  # --aux-weight, per micro-batch (set by parallelize())
         # For the log and --out, a tally per forward in training: tokens per expert, balancing loss, dropped pairs.
         self.tallies: list[torch.Tensor] = []
 
@@ -249,7 +249,7 @@ class ExpertLog:
 
 def add_expert_flags(p: argparse.ArgumentParser, positive) -> None:
     """This stage's flags (train.py's parse_args): `positive(kind)` parses a value > 0 or refuses it in one line."""
-    p.add_argument("--experts", type=positive(int), default=4, help="E: experts per block (at least 2)")
+    p.add_argument("--experts", type=positive(int), default=4, help="E: experts per block")
     p.add_argument("--top-k", type=positive(int), default=2, help="k: the experts each token goes to")
     p.add_argument("--ep", type=positive(int), default=1,
                    help="expert-parallel degree: dp x cp processes that share out the experts (E / ep each)")

@@ -40,7 +40,7 @@ BUGS = {
     # The rows arrive by sender, each sender's by expert: regrouped as if by expert first, a row meets another expert.
     "slot": ("mine = torch.arange(sent.shape[1], device=rows.device).repeat(self.size)",
              "mine = torch.arange(sent.shape[1], device=rows.device).repeat_interleave(self.size)", EP2),
-    "gates": ("index_add_(0, token, (out * gates.flatten()[order, None])", "index_add_(0, token, (out", EP2),
+    "gates": ("index_add_(0, token, (out * gates.flatten()[order, None])", "index_add_(0, token, (out)", EP2),
     "splits": ("dist.all_to_all_single(back, grad.contiguous(), ctx.send_splits, ctx.recv_splits, group=ctx.group)",
                "dist.all_to_all_single(back, grad.contiguous(), ctx.recv_splits, ctx.send_splits, group=ctx.group)",
                EP2),
