@@ -33,6 +33,11 @@ def balance_loss(probs: torch.Tensor, chosen: torch.Tensor, group: dist.ProcessG
     return probs.shape[-1] * (counts / counts.sum() * probs.mean(0)).sum()
 
 
+def expert_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The expert weights (what ep splits) by name, as `model.named_parameters()` names them."""
+    return {name: p for name, p in model.named_parameters() if ".experts." in name}
+
+
 class AllToAll(torch.autograd.Function):
     """Rows to the ranks of `group`: send_splits[r] of them to rank r (in rank order), recv_splits[r] from rank r.
     Its backward is the same exchange the other way round: each row's gradient goes back to where the row came from."""
@@ -80,11 +85,11 @@ class ExpertParallel:
         # on any layout, and the gradient norm sums the ep ranks' parts).
         self.mesh = None if group is None else DeviceMesh.from_group(group, device.type)
 
-    def shard(self, weight: torch.Tensor) -> nn.Parameter:
+    def shard(self, weight: nn.Parameter) -> nn.Parameter:
         """This rank's experts of a stacked weight [E, ...]: rows rank * E/ep onwards, as a DTensor (no copy sent:
         every rank drew the same whole weight)."""
         if self.size == 1:
-            return nn.Parameter(weight)
+            return weight
         mine = weight.detach().chunk(self.size)[self.rank].clone()
         return nn.Parameter(DTensor.from_local(mine, self.mesh, [Shard(0)], run_check=False))
 
@@ -107,11 +112,11 @@ class ExpertParallel:
         # 3. The outputs back to the ranks that sent the rows, in the order they came.
         return AllToAll.apply(out[by_expert.argsort()], recv_splits, send_splits, self.group)
 
-    def average_gradients(self, params: list[nn.Parameter], world: int) -> None:
+    def average_gradients(self, model: nn.Module, world: int) -> None:
         """The expert weights' gradients as DDP leaves the others': of the mean loss over all `world` ranks. An
         expert's gradient here already sums what its ep group's tokens sent it; adding its replicas' (the ranks that
         hold the same experts) sums every rank's, and / world makes it the mean's. (Not / the replicas: off by ep.)"""
-        for p in params:
+        for p in expert_params(model).values():
             grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             if self.replicas is not None:
                 dist.all_reduce(grad, group=self.replicas)
@@ -213,9 +218,8 @@ class ExpertLog:
     Read from the MoE layers once a step, gathered with the losses (one all-reduce for many steps)."""
 
     def __init__(self, model: nn.Module, cfg, device: torch.device) -> None:
-        # This rank's MoE layers by block number (a pipeline stage holds some blocks only), and their experts' weights.
+        # This rank's MoE layers by block number (a pipeline stage holds some blocks only).
         self.moes = {int(name.split(".")[-2]): m for name, m in model.named_modules() if isinstance(m, MoE)}
-        self.params = [p for name, p in model.named_parameters() if ".experts." in name]
         self.shape, self.top_k, self.device = (cfg.layers, cfg.experts + 2), cfg.top_k, device
         self.pending: list[torch.Tensor] = []  # a [blocks, E + 2] tally per step not yet settled
         self.load: list[list[list[int]]] = []  # per step, per block, per expert: tokens

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from context_parallel import ContextParallel
-from experts import ExpertParallel, MoE
+from experts import ExpertParallel, MoE, expert_params
 from model import GPT, Config
 from pipeline import Pipeline
 
@@ -81,15 +81,14 @@ def parallelize(model: GPT, mesh: DeviceMesh, cp: ContextParallel, ep: ExpertPar
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.amp == "bf16" \
             else MixedPrecisionPolicy()
         # Under --ep the experts are left out: a rank's are its own, averaged over their replicas by hand.
-        mine = {p for name, p in model.named_parameters() if ".experts." in name} if ep.size > 1 else None
+        mine = set(expert_params(model).values()) if ep.size > 1 else None
         for block in model.blocks.values():
             fully_shard(block, mesh=mesh["dp_cp"], mp_policy=mp, ignored_params=mine)
         return fully_shard(model, mesh=mesh["dp_cp"], mp_policy=mp, ignored_params=mine)  # the rest: the root
     # Stages 03-06: a replica per rank; the constructor broadcasts rank 0's weights, backward averages gradients.
     device = next(model.parameters()).device
     if ep.size > 1:  # DDP would average them over every rank; a rank's experts are its own (average_gradients)
-        DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in model.named_parameters()
-                                                                if ".experts." in n])
+        DDP._set_params_and_buffers_to_ignore_for_model(model, list(expert_params(model)))
     return DDP(model, device_ids=[device] if device.type == "cuda" else None, process_group=mesh.get_group("dp_cp"))
 
 
@@ -143,8 +142,9 @@ def replica_max_abs_diff(model: nn.Module, mesh: DeviceMesh, ep: ExpertParallel)
     """DDP's replicas must agree: the largest difference of any rank's parameters from its first replica's, over dp x
     cp (with --tp, each rank's own slices, which its replicas hold too); under --ep a rank's experts are compared
     with the ranks that hold the same experts (ep.replicas) only."""
-    experts = [p for name, p in model.named_parameters() if ".experts." in name] if ep.size > 1 else []
-    rest = [p for p in model.parameters() if all(p is not e for e in experts)]
+    experts = list(expert_params(model).values()) if ep.size > 1 else []
+    own = {id(p) for p in experts}
+    rest = [p for p in model.parameters() if id(p) not in own]
     gap = largest_gap(rest, mesh.get_group("dp_cp"))
     return max(gap, largest_gap(experts, ep.replicas)) if ep.replicas is not None else gap
 

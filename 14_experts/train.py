@@ -91,7 +91,7 @@ class Trainer:
                  pipe: Pipeline, device: torch.device, snapshot: dict | None) -> None:
         self.model, self.optimizer, self.corpus, self.cfg, self.args = model, optimizer, corpus, cfg, args
         self.mesh, self.cp, self.ep, self.pipe, self.device = mesh, cp, ep, pipe, device
-        self.expert_log = ExpertLog(model, cfg, device)  # the expert weights, and what the experts did per step
+        self.expert_log = ExpertLog(model, cfg, device)  # what the experts did, per step
         self.schedule = pipe.schedule(model, device, args.pp_schedule, args.accumulate)  # --pp: torch's, else None
         # The dp x cp ranks of a tp column: dp rows of cp ranks, each row the same windows, each rank its share.
         self.dp_rank, self.dp = mesh.get_local_rank("dp_cp") // cp.size, mesh["dp_cp"].size() // cp.size
@@ -176,7 +176,7 @@ class Trainer:
                     (loss / len(micro)).backward()  # (and the balancing loss's gradient: experts.py)
                 total += loss.detach()
         if self.ep.size > 1:  # the expert weights: DDP left them alone (parallelize.py)
-            self.ep.average_gradients(self.expert_log.params, self.mesh["dp_cp"].size())
+            self.ep.average_gradients(self.model, self.mesh["dp_cp"].size())
         self.expert_log.step_done(self.args.accumulate)
         norm = clip_gradients(self.model, self.args.clip, self.pipe)  # a collective under FSDP2, tp and pp
         for group in self.optimizer.param_groups:

@@ -23,7 +23,8 @@ EXTENDS = {"02_dataparallel": "01_single_gpu", "03_ddp_spawn": "02_dataparallel"
            "12_context_parallel": "11_gpt", "13_pipeline_4d": "12_context_parallel",
            "14_experts": "13_pipeline_4d"}
 START, END = "<!-- diff from the stage it extends: written by tests/lesson_diffs.py -->", "<!-- /diff -->"
-BLOCK = re.compile(re.escape(START) + r"\n(.*?)\n" + re.escape(END), re.S)
+# An empty block (a new README's placeholder) matches too, its group 1 None, as _file_diff_pattern's does.
+BLOCK = re.compile(re.escape(START) + r"\n(?:(.*?)\n)??" + re.escape(END), re.S)
 # Other READMEs' diffs of two files, each block after the line `<!-- diff OLD NEW -->`: {README: [(OLD, NEW), ...]}
 FILE_DIFFS = {"ddp_by_hand/README.md": [("04_ddp_torchrun/train.py", "ddp_by_hand/naive.py"),
                                         ("ddp_by_hand/naive.py", "ddp_by_hand/bucketed.py")],
