@@ -151,8 +151,7 @@ def write_run(args: argparse.Namespace, trainer: Trainer, model: GPT, floor: dic
         "memory": memory, "sample": text,
         **({"experts": {"experts": args.experts, "top_k": args.top_k, "ep": args.ep, "aux_weight": args.aux_weight,
                         "balance": args.balance, "capacity_factor": args.capacity_factor,
-                        "load": trainer.expert_log.load, "aux_losses": trainer.expert_log.aux_losses,
-                        "dropped": trainer.expert_log.dropped}} if "ep" in args else {}),  # stage 14's
+                        **trainer.expert_log.history()}} if "ep" in args else {}),  # stage 14's
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     torch.save(model.state_dict(), args.out / "model.pt")

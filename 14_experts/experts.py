@@ -217,14 +217,20 @@ class ExpertLog:
     balancing loss (the blocks' mean), the share of the (token, expert) pairs dropped; over every rank's tokens.
     Read from the MoE layers once a step, gathered with the losses (one all-reduce for many steps)."""
 
-    def __init__(self, model: nn.Module, cfg, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, cfg, device: torch.device, snapshot: dict | None) -> None:
         # This rank's MoE layers by block number (a pipeline stage holds some blocks only).
         self.moes = {int(name.split(".")[-2]): m for name, m in model.named_modules() if isinstance(m, MoE)}
         self.shape, self.top_k, self.device = (cfg.layers, cfg.experts + 2), cfg.top_k, device
         self.pending: list[torch.Tensor] = []  # a [blocks, E + 2] tally per step not yet settled
-        self.load: list[list[list[int]]] = []  # per step, per block, per expert: tokens
-        self.aux_losses: list[float] = []  # E x sum f_i P_i, the blocks' mean: 1 when even
-        self.dropped: list[float] = []
+        # From the first step on: a resumed run starts with its checkpoint's steps (progress.json keeps them).
+        done = (snapshot or {}).get("experts", {})
+        self.load: list[list[list[int]]] = list(done.get("load", []))  # per step, per block, per expert: tokens
+        self.aux_losses: list[float] = list(done.get("aux_losses", []))  # E x sum f_i P_i, the blocks' mean: 1 = even
+        self.dropped: list[float] = list(done.get("dropped", []))
+
+    def history(self) -> dict[str, list]:
+        """The lists, per step: progress.json's (a checkpoint) and summary.json's."""
+        return {"load": self.load, "aux_losses": self.aux_losses, "dropped": self.dropped}
 
     def step_done(self, micro_batches: int) -> None:
         """The step's last `micro_batches` forwards of each MoE layer: any before them are not training (in the first

@@ -91,7 +91,7 @@ class Trainer:
                  pipe: Pipeline, device: torch.device, snapshot: dict | None) -> None:
         self.model, self.optimizer, self.corpus, self.cfg, self.args = model, optimizer, corpus, cfg, args
         self.mesh, self.cp, self.ep, self.pipe, self.device = mesh, cp, ep, pipe, device
-        self.expert_log = ExpertLog(model, cfg, device)  # what the experts did, per step
+        self.expert_log = ExpertLog(model, cfg, device, snapshot)  # what the experts did, per step
         self.schedule = pipe.schedule(model, device, args.pp_schedule, args.accumulate)  # --pp: torch's, else None
         # The dp x cp ranks of a tp column: dp rows of cp ranks, each row the same windows, each rank its share.
         self.dp_rank, self.dp = mesh.get_local_rank("dp_cp") // cp.size, mesh["dp_cp"].size() // cp.size
@@ -136,7 +136,7 @@ class Trainer:
             progress = {"steps": self.steps, "losses": self.losses, "curve": self.curve, "seed": self.args.seed,
                         "grad_norms": self.grad_norms, "schedule": checks.schedule(self.args),
                         "global_batch": self.global_batch, "dtype": self.args.dtype, "model": self.cfg._asdict(),
-                        "world_size": dist.get_world_size()}
+                        "world_size": dist.get_world_size(), "experts": self.expert_log.history()}
             (tmp / checks.PROGRESS).write_text(json.dumps(progress) + "\n")
             os.replace(tmp, final)  # a directory named step_N is complete; only then is the previous one removed
             for old in checks.checkpoints(self.args.snapshot)[:-1]:

@@ -22,9 +22,12 @@ trainers use: the run says so before it starts), and the experts' gradients aver
 """
 from __future__ import annotations
 
+import csv
+
 import pytest
 
-from harness import Run, Step, launch, mutate, run_chains, time_limit, tolerance
+from conftest import readme_run
+from harness import ROOT, Run, Step, launch, load_copy, mutate, run_chains, time_limit, tolerance
 from test_context_parallel import SEED, TINY, compare, equals_one_process
 from test_gpt import refusal, refused_in_one_line
 
@@ -80,13 +83,12 @@ def runs(tmp_path_factory) -> dict[str, Run]:
 
 
 def same_experts(run: Run, one: Run) -> None:
-    """The tokens each expert of each block took, step by step, are one process's: the same routing."""
-    start = run.summary["resumed_at"]  # (a resumed run's from there on)
-    mine, theirs = run.summary["experts"]["load"], one.summary["experts"]["load"][start:]
-    assert mine == theirs[:len(mine)] and len(mine) == run.summary["steps"] - start, \
-        f"(seed {SEED}) {mine[:1]} vs {theirs[:1]}"
+    """The tokens each expert of each block took, step by step from the first, are one process's: the same routing
+    (a resumed run's first steps are its checkpoint's: progress.json keeps them)."""
+    mine, theirs = run.summary["experts"]["load"], one.summary["experts"]["load"]
+    assert mine == theirs[:len(mine)] and len(mine) == run.summary["steps"], f"(seed {SEED}) {mine[:1]} vs {theirs[:1]}"
     assert run.summary["experts"]["aux_losses"] == pytest.approx(
-        one.summary["experts"]["aux_losses"][start:run.summary["steps"]], abs=TOL)
+        one.summary["experts"]["aux_losses"][:run.summary["steps"]], abs=TOL)
 
 
 def test_ep_4_and_ep_2_are_one_process(runs):
@@ -171,3 +173,30 @@ def test_bad_expert_flags_are_one_line_and_exit_2():
     assert refusal(["--ep", "2", "--cp", "2", "--tp", "2", "--parallel", "fsdp"], {"WORLD_SIZE": "8"},
                    STAGE)[0] == "accepted"
     assert refusal(["--ep", "4", "--experts", "8"], {"WORLD_SIZE": "4"}, STAGE)[0] == "accepted"
+
+
+TRAFFIC = "python benchmarks/moe_traffic.py --quick --out runs/moe_traffic_quick"  # the README's quick run
+
+
+@pytest.mark.readme_run(TRAFFIC)
+def test_the_all_to_all_carries_the_formulas_bytes(readme_runs):
+    """Counted from outside (benchmarks/moe_traffic.py, a tiny model at ep 2): where every token goes to every expert
+    (k = E) each expert has its even share, and every rank's bytes per step are the formula's to the byte; the counts
+    are, whatever the routing. (A redundant exchange in the backward, planted once, made them 1.5 times it.) And the
+    README's table is the committed CSV's, the default run's."""
+    run = readme_run(readme_runs, TRAFFIC)
+    with open(run.out / "moe_traffic.csv", newline="") as f:
+        rows = [{k: float(v) for k, v in r.items()} for r in csv.DictReader(f)]
+    assert [(r["ep"], r["experts"], r["top_k"]) for r in rows] == [(2, 4, 2), (2, 4, 4)], rows
+    for r in rows:  # --quick: 2 blocks of width 32, 16 windows of 24 a step over 2 ranks, float32
+        tokens, k = 16 // 2 * 24, r["top_k"]
+        assert r["tokens_per_rank"] == tokens and r["formula_bytes"] == 4 * tokens * k * 2 * (1 / 2) * 32 * 4, r
+        assert r["counts_sent_bytes"] == r["counts_formula_bytes"] == 2 * 4 / 2 * 8, r
+        # No rank can send more than all its rows' way and back, and the rows it received back: ep / (ep - 1).
+        assert 0 < r["sent_mean_bytes"] <= r["sent_max_bytes"] <= 2 * r["formula_bytes"], r
+    every = rows[1]
+    assert every["sent_mean_bytes"] == every["sent_max_bytes"] == every["received_max_bytes"] == \
+        every["formula_bytes"], every
+    assert "wrote " in run.stdout
+    bench = load_copy(ROOT / "benchmarks" / "moe_traffic.py")
+    assert bench.readme_table(ROOT / "benchmarks" / "moe_traffic.csv") in (ROOT / STAGE / "README.md").read_text()

@@ -593,6 +593,9 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
                               ("--epochs", "5,x"): "--epochs", ("--seeds", "0"): "--seeds",
                               ("--batch-size", "0"): "--batch-size", ("--lr", "nan"): "--lr",
                               ("--out", "{file}/sub"): "--out"},
+    "benchmarks/moe_traffic": {("--quick=1",): "--quick", ("--steps", "1"): "--steps",
+                               ("--dtype", "bfloat16"): "--dtype", ("--out", "{file}/sub"): "--out",
+                               ("--timeout", "0"): "--timeout"},
     # Its --out is required: given (a writable one) wherever the value checked is checked after parsing.
     "benchmarks/pipeline_bubble": {("--microbatches", "0,4"): "--microbatches",
                                    ("--microbatch-size", "0"): "--microbatch-size", ("--width", "0"): "--width",
@@ -610,7 +613,8 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
                               ("--out", "{file}/sub"): "--out", ("--timeout", "0"): "--timeout"},
 }
 # Flags a user never gives, each with why: no bad-value case.
-INTERNAL_FLAGS = {("benchmarks/fsdp_memory", "--worker"): "set by its own launcher for each rank; hidden from --help"}
+INTERNAL_FLAGS = {("benchmarks/fsdp_memory", "--worker"): "set by its own launcher for each rank; hidden from --help",
+                  ("benchmarks/moe_traffic", "--count"): "set by its own launcher for each rank; hidden from --help"}
 # Messages that do not name their argument (the one line says what is wrong and the fix, not the flag): reported, and
 # checked as they are.
 UNNAMED = {("ddp_by_hand/compare_runs", "runs"): "no summary.json in ",

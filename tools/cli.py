@@ -99,8 +99,9 @@ def exit_worker() -> None:
 
 class SentBytes:
     """Stands in for torch.distributed inside a module being measured (module.dist = SentBytes()): every call passes
-    through, and `sent` counts the bytes this rank hands over: a point-to-point send's tensor, and for an all-gather or
-    a reduce-scatter of W shares the W - 1 shares a ring algorithm sends (gloo's own algorithm may differ)."""
+    through, and `sent` counts the bytes this rank hands over: a point-to-point send's tensor, for an all-gather or
+    a reduce-scatter of W shares the W - 1 shares a ring algorithm sends (gloo's own algorithm may differ), and for an
+    all-to-all the rows for the other ranks (its own share stays)."""
 
     def __init__(self) -> None:
         import torch.distributed as dist
@@ -120,3 +121,15 @@ class SentBytes:
     def reduce_scatter(self, out, parts: list, *args, **kwargs):
         self.sent += (len(parts) - 1) * out.numel() * out.element_size()
         return self.dist.reduce_scatter(out, parts, *args, **kwargs)
+
+    def all_to_all_single(self, out, x, output_split_sizes=None, input_split_sizes=None, group=None, **kwargs):
+        self.sent += off_rank_bytes(x, input_split_sizes, self.dist.get_rank(group), self.dist.get_world_size(group))
+        return self.dist.all_to_all_single(out, x, output_split_sizes, input_split_sizes, group=group, **kwargs)
+
+
+def off_rank_bytes(x, split_sizes: list[int] | None, me: int, world: int) -> int:
+    """The bytes of an all-to-all's tensor x (rows split over the ranks in order: split_sizes, or equal shares) that
+    are not rank `me`'s own share: what leaves, or arrives at, this rank."""
+    rows = x.shape[0] if x.dim() else 0
+    own = split_sizes[me] if split_sizes else rows // world
+    return (rows - own) * (x.numel() // max(rows, 1)) * x.element_size()
