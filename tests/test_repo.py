@@ -254,6 +254,10 @@ SHARED_SNAPSHOT_CODE = {
                                        "check_checkpoint_arg", "schedule", "Trainer._load_snapshot",
                                        "Trainer._save_snapshot", "load_snapshot"],
 }
+# What a later stage adds to that code, the rest unchanged: removed before comparing. 14's progress.json also keeps the
+# tokens each expert took (a resumed run's loads then start at step 0); how the checkpoint is written and fails is 13's.
+SNAPSHOT_ADDITIONS = {("13_pipeline_4d", "14_experts"): {"Trainer._save_snapshot":
+                                                         ', "experts": self.expert_log.history()'}}
 
 
 @pytest.mark.parametrize("pair", SHARED_SNAPSHOT_CODE, ids="-".join)
@@ -262,11 +266,14 @@ def test_snapshots_are_handled_with_the_previous_stages_code(pair):
     trees: a comment may differ), so the fault battery need not repeat its snapshot cases on it."""
     first, then = (load_stage(stage) for stage in pair)
 
-    def tree(obj) -> str:
-        return ast.dump(ast.parse(textwrap.dedent(inspect.getsource(obj))))
+    def tree(obj, added: str = "") -> str:
+        source = inspect.getsource(obj)
+        assert added in source, f"{pair[1]}'s {obj.__qualname__} no longer adds {added!r}: update SNAPSHOT_ADDITIONS"
+        return ast.dump(ast.parse(textwrap.dedent(source.replace(added, "", 1) if added else source)))
 
+    added = SNAPSHOT_ADDITIONS.get(pair, {})
     drifted = [name for name in SHARED_SNAPSHOT_CODE[pair]
-               if tree(operator.attrgetter(name)(first)) != tree(operator.attrgetter(name)(then))]
+               if tree(operator.attrgetter(name)(first)) != tree(operator.attrgetter(name)(then), added.get(name, ""))]
     assert not drifted, f"{pair[1]}'s {drifted} differ from {pair[0]}'s: add {pair[1]} to the snapshot faults"
     refusal = ("    except SnapshotError as e:\n"
                "        print(f\"{STAGE}/train.py: error: argument --snapshot: {e}\", file=sys.stderr)\n"
