@@ -75,13 +75,23 @@ def _epochs_in(snapshot: Path) -> int:
         return 0
 
 
-KILLS = [(1, 1), (3, 0), (5, 1)]  # (epochs in the snapshot, rank killed then)
-LONG = 10  # the killed job's epochs: the last kill leaves it 5 more to train, so the job does not end before it
+def _version(snapshot: Path) -> tuple[int, int] | None:
+    """Which file the snapshot path names now: each save renames a new file onto it. One stat, so the killer sees a
+    new snapshot within a poll however loaded the machine is."""
+    try:
+        st = snapshot.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+KILLED = (1, 0, 1)  # the rank killed in each of the first 3 attempts: alternating
+LONG = 10  # the killed job's epochs: each attempt is killed once it has saved one epoch, so the job cannot end first
 
 
 def test_killed_workers_are_restarted_and_resume_exactly(tmp_path):
-    """Three SIGKILLs, each after a new snapshot, alternating ranks: the job still ends at the weights of the same job
-    uninterrupted."""
+    """Three SIGKILLs, each once the attempt has saved a new snapshot, alternating ranks: the job still ends at the
+    weights of the same job uninterrupted."""
     whole = check(launch(with_args(CONFIGS["06"], "--epochs", str(LONG)), out=tmp_path / "whole"))
     snapshot = tmp_path / "snapshot.pt"
     step = with_args(CONFIGS["06"], "--epochs", str(LONG), "--snapshot", str(snapshot))
@@ -90,22 +100,30 @@ def test_killed_workers_are_restarted_and_resume_exactly(tmp_path):
     errors: list[str] = []
 
     def killer(job: Job) -> None:  # runs beside the job
-        for target, rank in KILLS:
-            while _epochs_in(snapshot) < target:  # mid-training: after this attempt saved a new epoch
+        earlier: set[int] = set()  # the workers of the attempts killed so far
+        for rank in KILLED:
+            # This attempt's workers, found while they start: a scan of /proc can take a second on a loaded
+            # machine, a second in which an epoch-0.1s job would train on past the kill (as a CI run once did).
+            while len(pids := {r: p for r, p in workers(job).items() if p not in earlier}) < step.nproc:
                 if job.ended.is_set():
-                    errors.append(f"the job ended before the snapshot reached epoch {target}")
+                    errors.append(f"the job ended before attempt {len(kills) + 1} had {step.nproc} workers")
                     return
                 time.sleep(0.05)
-            pid = workers(job).get(rank)
-            if pid is None:
-                errors.append(f"no worker of rank {rank} at epoch {target}: {workers(job)}")
-                return
-            os.kill(pid, signal.SIGKILL)
+            # The old attempt's workers are gone before the new ones start: the snapshot is what it resumes from,
+            # or already one it saved; kill once it has saved (another) one.
+            resumed_from = _version(snapshot)
+            while _version(snapshot) == resumed_from:
+                if job.ended.is_set():
+                    errors.append(f"the job ended before attempt {len(kills) + 1} saved a snapshot")
+                    return
+                time.sleep(0.02)
+            os.kill(pids[rank], signal.SIGKILL)
             kills.append((_epochs_in(snapshot), rank))
+            earlier |= set(pids.values())
 
     # torchrun's agent, and the ranks of the first attempt and of the 3 restarts
     run = check(launch(step, out=tmp_path / "out", timeout=time_limit(programs=1 + 4 * step.nproc), during=killer))
-    assert not errors and len(kills) == 3, (errors, kills, run.describe())
+    assert not errors and len(kills) == 3, f"{errors} {kills}\n{run.describe()}"
     assert run.stdout.count("resumed from") == 3, run.stdout
     assert "(torchrun restart 3)" in run.stdout
     assert run.summary["restart_count"] == 3
