@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import ctypes
 import gc
 import os
@@ -54,7 +53,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root: tools/ and tour.py
-from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive  # noqa: E402
+from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive, write_csv  # noqa: E402
 from tour import load_stage  # noqa: E402
 
 WORLD, CPS = 4, (1, 2, 4)
@@ -248,14 +247,6 @@ def plot(lines: list[dict], args: argparse.Namespace, path: Path) -> None:
     plt.close(fig)
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items() if k in COLUMNS})
-
-
 # --- the command --------------------------------------------------------------------------------------
 
 def needed_bytes(tokens: int, heads: int, head_size: int) -> int:
@@ -323,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = summarise(rows)
     print_table(lines, args)
     if args.out is not None:
-        write_csv(rows, args.out / "cp_memory.csv")
+        write_csv(args.out / "cp_memory.csv", rows, COLUMNS)
         plot(lines, args, args.out / "cp_memory.png")
         print(f"\nwrote {args.out / 'cp_memory.csv'} and {args.out / 'cp_memory.png'}")
     return 0

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import os
 import statistics
 import sys
@@ -43,7 +42,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
-from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive  # noqa: E402
+from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive, write_csv  # noqa: E402
 
 COLUMNS = ["experiment", "model", "params", "mode", "world_size", "per_rank_batch", "global_batch", "bucket_cap_mb",
            "accumulate", "no_sync", "steps", "step_ms", "samples_per_s", "efficiency"]
@@ -279,11 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows)
     print("efficiency = samples/s with W processes / (W x samples/s of 1 process), same per-rank batch. "
           "independent: W processes training without any communication (the machine's own limit).")
-    with open(args.out / "ddp_scaling.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items() if k in COLUMNS})
+    write_csv(args.out / "ddp_scaling.csv", rows, COLUMNS)
     plot(rows, args.out / "ddp_scaling.png")
     print(f"\nwrote {args.out / 'ddp_scaling.csv'} and {args.out / 'ddp_scaling.png'}")
     return 0

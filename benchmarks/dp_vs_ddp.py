@@ -14,7 +14,6 @@ Writes DIR/dp_vs_ddp.csv and DIR/dp_vs_ddp.png (--out, default runs/dp_vs_ddp).
 """
 from __future__ import annotations
 
-import csv
 import json
 import os
 import signal
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
-from tools.cli import ArgumentParser, positive  # noqa: E402
+from tools.cli import ArgumentParser, positive, write_csv  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = ["stage", "launcher", "processes", "gpus", "per_process_batch", "global_batch", "epochs", "samples_per_s",
@@ -129,10 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
     for row in [header, ["-" * w for w in widths], *table]:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-    with open(args.out / "dp_vs_ddp.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows)
+    write_csv(args.out / "dp_vs_ddp.csv", rows, COLUMNS)
     plot(rows, args.out / "dp_vs_ddp.png")
     print(f"\nwrote {args.out / 'dp_vs_ddp.csv'} and {args.out / 'dp_vs_ddp.png'}")
     return 0

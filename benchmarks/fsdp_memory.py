@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import ctypes
 import gc
 import json
@@ -62,7 +61,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
-from tools.cli import ArgumentParser, exit_worker, list_of, positive  # noqa: E402
+from tools.cli import ArgumentParser, exit_worker, list_of, positive, write_csv  # noqa: E402
 
 MODES = ("ddp", "fsdp", "fsdp_no_reshard")
 COLUMNS = ["mode", "world_size", "rank", "params", "blocks", "width", "batch", "steps", "param_bytes", "unit_bytes",
@@ -384,11 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     print("MB per rank, the largest over the ranks. model part = peak RSS - RSS before the model was built; its "
           "theory: ddp 4P (with the buckets), fsdp 3P/W + U, fsdp_no_reshard max(2P/W + P, 3P/W + U); excess = "
           "model part - theory. state = parameters + gradients + momentum this rank holds; theory DDP 3P, FSDP 3P/W.")
-    with open(args.out / "fsdp_memory.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items() if k in COLUMNS})
+    write_csv(args.out / "fsdp_memory.csv", rows, COLUMNS)
     plot(lines, args, got["torch"], args.out / "fsdp_memory.png")
     print(f"\nwrote {args.out / 'fsdp_memory.csv'} and {args.out / 'fsdp_memory.png'}")
     return 0

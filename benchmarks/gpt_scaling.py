@@ -25,7 +25,6 @@ which saves each launch seconds and changes nothing in a training step. Writes D
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -33,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
-from tools.cli import ArgumentParser, positive  # noqa: E402
+from tools.cli import ArgumentParser, positive, write_csv  # noqa: E402
 from tour import TORCHRUN, run_job  # noqa: E402
 
 CORPUS = ROOT / "11_gpt" / "data" / "input.txt"
@@ -166,11 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"efficiency = tokens/s / (cores x tokens/s of 1 process, 1 thread), cores = processes x threads, at most "
           f"{cores}: W = 4 is oversubscribed. peak: the matmul FLOP/s the setting's ranks measured together "
           f"(train.py); MFU = tokens/s x FLOPs per token / peak. state: a rank's weights, gradients and AdamW moments.")
-    with open(args.out / "gpt_scaling.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    write_csv(args.out / "gpt_scaling.csv", rows, COLUMNS)
     first = rows[0]
     context = first["tokens_per_step"] // first["global_batch"]
     plot(rows, args.out / "gpt_scaling.png", f"11_gpt ({first['parameters'] / 1e6:.2f} M parameters) on {cores} CPU "

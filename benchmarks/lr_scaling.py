@@ -14,7 +14,6 @@ the seeds, in Markdown: the table on your_model/index.md.
 from __future__ import annotations
 
 import contextlib
-import csv
 import io
 import statistics
 import sys
@@ -24,7 +23,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
-from tools.cli import ArgumentParser, list_of, positive  # noqa: E402
+from tools.cli import ArgumentParser, list_of, positive, write_csv  # noqa: E402
 from tour import load_stage  # noqa: E402
 
 COLUMNS = ["epochs", "world_size", "batch_per_rank", "global_batch", "lr_rule", "lr", "seed", "steps", "train_loss",
@@ -98,10 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     p.check_out_writable(args.out)  # fail now, not after measuring
     torch.set_num_threads(1)  # one core, as each rank would have
     rows = measure(args.worlds, args.epochs, args.seeds, args.batch_size, args.lr)
-    with open(args.out / "lr_scaling.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / "lr_scaling.csv", rows, COLUMNS, floats=None)
     print(f"\nmeans over {args.seeds} seed(s); per-rank batch {args.batch_size}; stage 01's model and data, float32\n")
     print(table(rows))
     print(f"\nwrote {args.out / 'lr_scaling.csv'}")

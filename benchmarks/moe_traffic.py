@@ -25,7 +25,6 @@ in 14_experts/README.md is readme_table(benchmarks/moe_traffic.csv), the default
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import runpy
 import statistics
@@ -34,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root: tools/ and tour.py
-from tools.cli import ArgumentParser, SentBytes, off_rank_bytes, positive  # noqa: E402
+from tools.cli import ArgumentParser, SentBytes, off_rank_bytes, positive, print_table, read_csv, write_csv  # noqa: E402
 from tour import TORCHRUN, run_job  # noqa: E402
 
 STAGE = ROOT / "14_experts"
@@ -126,7 +125,6 @@ def measure(setting: tuple[int, int, int], args: argparse.Namespace) -> dict:
 
 
 def print_rows(rows: list[dict]) -> None:
-    from tools.cli import print_table
     mb = 1e6
     print_table([["ep", "E", "k", "tokens/rank", "formula MB", "sent MB (mean, max)", "received MB (max)",
                   "mean sent / formula", "max received / formula", "counts B (formula, sent)"],
@@ -141,7 +139,7 @@ def print_rows(rows: list[dict]) -> None:
 def readme_table(csv_path: Path) -> str:
     """The rows of 14_experts/README.md's traffic table, from the CSV (a test checks the README has them)."""
     lines = []
-    for r in csv.DictReader(open(csv_path, newline="")):
+    for r in read_csv(csv_path):
         f = {k: float(v) for k, v in r.items()}
         every = " (every expert)" if r["top_k"] == r["experts"] else ""
         lines.append(f"| {r['ep']} | {r['experts']} | {r['top_k']}{every} | {f['formula_bytes'] / 1e6:.3f} | "
@@ -180,11 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     print_rows(rows)
     print("per rank and training step; sent: rows to other ranks' experts and back, forward and backward; "
           "formula = 4 x tokens x k x blocks x (ep - 1) / ep x width x bytes (every expert its even share)")
-    with open(args.out / "moe_traffic.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: (f"{v:.10g}" if isinstance(v, float) else v) for k, v in r.items()})
+    write_csv(args.out / "moe_traffic.csv", rows, COLUMNS, floats=".10g")
     print(f"\nwrote {args.out / 'moe_traffic.csv'}")
     return 0
 

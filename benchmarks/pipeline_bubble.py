@@ -20,7 +20,6 @@ against m), and prints the table. The model is deeper and wider than the stages'
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib.util
 import os
 import sys
@@ -33,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
-from tools.cli import ArgumentParser, exit_worker, list_of, positive  # noqa: E402
+from tools.cli import ArgumentParser, exit_worker, list_of, positive, read_csv, write_csv  # noqa: E402
 
 
 def by_hand():
@@ -124,7 +123,7 @@ def wall_clock(hand, args: argparse.Namespace, schedule: str, m: int) -> dict:
 
 def readme_table(csv_path: Path) -> str:
     """The rows of 10_pipeline_parallel/README.md's bubble table, from the CSV (a test checks the README has them)."""
-    rows = list(csv.DictReader(open(csv_path)))
+    rows = read_csv(csv_path)
 
     def row(clock: str, p: int, schedule: str, m: int) -> dict | None:
         wanted = (clock, str(p), schedule, str(m))
@@ -225,11 +224,8 @@ def main() -> None:
                     if (stages, m) == (2, args.figure_m):
                         shown[("slots", schedule)] = run
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out.with_suffix(".csv"), "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows({**r, "bubble": f"{r['bubble']:.4f}", "theory": f"{r['theory']:.4f}",
-                              "peak_held": " ".join(map(str, r["peak_held"]))} for r in rows)
+        write_csv(args.out.with_suffix(".csv"), ({**r, "peak_held": " ".join(map(str, r["peak_held"]))} for r in rows),
+                  list(rows[0]), floats=".4f")
         print(f"{'clock':<6} {'p':>2} {'schedule':<8} {'m':>3} {'bubble':>7} {'theory':>7}  activations held at peak, "
               f"per stage (micro-batches)")
         for r in rows:

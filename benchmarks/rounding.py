@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import csv
 import os
 import sys
 import tempfile
@@ -43,7 +42,7 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
-from tools.cli import ArgumentParser, positive  # noqa: E402
+from tools.cli import ArgumentParser, positive, write_csv  # noqa: E402
 from tour import Step, load_stage, max_gap, replay_error, run_job, tolerance  # noqa: E402
 
 W = 2  # simulated ranks: for 2, sum(g_r / W) is bit for bit what DDP's reducer computes
@@ -336,15 +335,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {c['dtype']}: simulation vs real {c['stage']}: {same}, max|d| over every recorded epoch "
                       f"(weights and momentum) = {fmt(c['worst'])}, final = {fmt(c['final'])}")
 
-    with open(args.out / "rounding.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        for r in runs:
-            for row in r["epochs"]:
-                writer.writerow({"run": r["run"], "dtype": r["dtype"], "lr": r["lr"], "world_size": W,
-                                 "batch_per_rank": r["batch"], "global_batch": W * r["batch"],
-                                 "tolerance": f"{tolerance(r['dtype']):.6g}",
-                                 **{k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()}})
+    write_csv(args.out / "rounding.csv", [{"run": r["run"], "dtype": r["dtype"], "lr": r["lr"], "world_size": W,
+                                          "batch_per_rank": r["batch"], "global_batch": W * r["batch"],
+                                          "tolerance": tolerance(r["dtype"]), **row}
+                                         for r in runs for row in r["epochs"]], COLUMNS)
     plot(runs, args.out / "rounding.png", args.batch_size)
     print(f"\nwrote {args.out / 'rounding.csv'} and {args.out / 'rounding.png'} ({os.cpu_count()} cores, "
           f"{time.monotonic() - start:.0f}s)")

@@ -22,7 +22,6 @@ Writes DIR/collectives.csv and DIR/collectives.png (--out, default runs/collecti
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -36,7 +35,7 @@ import torch.multiprocessing as mp
 from allreduce import PIECE_BYTES, ps_all_reduce, ring_all_reduce, ring_all_reduce_simple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
-from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, positive  # noqa: E402
+from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, positive, write_csv  # noqa: E402
 
 ALGORITHMS = ("all_reduce", "ring", "ps", "ring_simple")
 COLUMNS = ["world_size", "oversubscribed", "algorithm", "bytes", "repeats", "median_ms", "algbw_GBps",
@@ -309,11 +308,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print_table(rows, args.algorithms)
-    with open(args.out / "collectives.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    write_csv(args.out / "collectives.csv", rows, COLUMNS)
     plot(rows, args.algorithms, args.out / "collectives.png")
     print(f"\nwrote {args.out / 'collectives.csv'} and {args.out / 'collectives.png'}")
     return 0

@@ -31,7 +31,6 @@ https://ui.perfetto.dev). Default DIR: runs/ddp_by_hand.
 from __future__ import annotations
 
 import argparse
-import csv
 import gzip
 import json
 import math
@@ -54,7 +53,7 @@ sys.path.insert(0, str(HERE))  # bucketed.py: the hand-built DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
 import bucketed  # noqa: E402
 
-from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive  # noqa: E402
+from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive, write_csv  # noqa: E402
 
 COLUMNS = ["name", "impl", "bucket_mb", "first_bucket_mb", "buckets", "bucket_bytes", "ddp_bucket_bytes", "ranks",
            "steps", "step_ms", "backward_ms", "comm_ms", "hidden_ms", "exposed_ms", "overlap", "first_allreduce_ms",
@@ -450,10 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         mp.spawn(worker, args=(args.world_size, configs, args, tmp), nprocs=args.world_size)
         rows, timelines = summarise(configs, args, args.world_size, Path(tmp))
         traces = keep_traces(configs, args, args.world_size, Path(tmp))
-    with open(args.out / "overlap.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows)
+    write_csv(args.out / "overlap.csv", rows, COLUMNS, floats=".4g")
     print()
     print_table(rows)
     plot_timeline(timelines, rows, args.out / "timeline.png")

@@ -8,7 +8,6 @@ exit 0 without numbers.
 """
 from __future__ import annotations
 
-import csv
 import json
 import os
 import re
@@ -19,14 +18,14 @@ import pytest
 
 from conftest import readme_run
 from harness import ROOT, Run, check, launch_commands, load_copy, load_stage, time_limit
+from tools.cli import read_csv
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def read_csv(path: Path) -> tuple[list[str], list[dict]]:
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        return list(reader.fieldnames or []), list(reader)
+def columns_and_rows(path: Path) -> tuple[list[str], list[dict]]:
+    rows = read_csv(path)
+    return list(rows[0]) if rows else [], rows
 
 
 def assert_png(path: Path) -> None:
@@ -55,7 +54,7 @@ def collectives_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 
 def test_collectives_benchmark_writes_every_point(collectives_run):
-    columns, rows = read_csv(collectives_run.out / "collectives.csv")
+    columns, rows = columns_and_rows(collectives_run.out / "collectives.csv")
     assert columns == ["world_size", "oversubscribed", "algorithm", "bytes", "repeats", "median_ms", "algbw_GBps",
                        "busbw_GBps", "copy_GBps", "time_vs_all_reduce", "busiest_rank_sent_bytes", "rank0_sent_bytes"]
     points = {(int(r["world_size"]), r["algorithm"], int(r["bytes"])) for r in rows}
@@ -76,7 +75,7 @@ def test_collectives_benchmark_writes_every_point(collectives_run):
 
 def test_collectives_benchmark_measures_the_traffic_the_readme_explains(collectives_run):
     """Bytes each rank sends, counted by the OS: the ring's 2(W-1)/W * N per rank against rank 0's (W-1) * N."""
-    _, rows = read_csv(collectives_run.out / "collectives.csv")
+    _, rows = columns_and_rows(collectives_run.out / "collectives.csv")
     n = max(COLL_SIZES)  # big enough that message headers are noise
     for r in (r for r in rows if int(r["bytes"]) == n):
         w, busiest, rank0 = int(r["world_size"]), int(r["busiest_rank_sent_bytes"]), int(r["rank0_sent_bytes"])
@@ -109,7 +108,7 @@ def scaling_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 
 def test_ddp_scaling_writes_every_configuration(scaling_run):
-    columns, rows = read_csv(scaling_run.out / "ddp_scaling.csv")
+    columns, rows = columns_and_rows(scaling_run.out / "ddp_scaling.csv")
     assert columns == ["experiment", "model", "params", "mode", "world_size", "per_rank_batch", "global_batch",
                        "bucket_cap_mb", "accumulate", "no_sync", "steps", "step_ms", "samples_per_s", "efficiency"]
     configs = {(r["experiment"], r["model"], r["mode"], int(r["world_size"]), int(r["per_rank_batch"]),
@@ -186,7 +185,7 @@ def test_rounding_measures_drift_and_replay(readme_runs):
     from tour import tolerance
 
     run = readme_run(readme_runs, ROUNDING_QUICK)
-    columns, rows = read_csv(run.out / "rounding.csv")
+    columns, rows = columns_and_rows(run.out / "rounding.csv")
     assert columns == ["run", "dtype", "lr", "world_size", "batch_per_rank", "global_batch", "epoch", "steps",
                        "max_dw_end", "max_dw_epoch_max", "replay_error", "tolerance", "train_loss", "batch_flips",
                        "relu_flips", "samples_with_flip", "max_abs_logit"]
@@ -234,7 +233,7 @@ def fsdp_memory_run(readme_runs) -> Run:
 
 @from_fsdp_quick
 def test_fsdp_memory_writes_every_rank_of_every_configuration(fsdp_memory_run):
-    columns, rows = read_csv(fsdp_memory_run.out / "fsdp_memory.csv")
+    columns, rows = columns_and_rows(fsdp_memory_run.out / "fsdp_memory.csv")
     assert columns == ["mode", "world_size", "rank", "params", "blocks", "width", "batch", "steps", "param_bytes",
                        "unit_bytes", "rss_before_bytes", "peak_rss_bytes", "model_rss_bytes", "state_bytes",
                        "theory_state_bytes", "state_vs_theory", "theory_peak_bytes", "step_s"]
@@ -254,7 +253,7 @@ def test_fsdp_memory_writes_every_rank_of_every_configuration(fsdp_memory_run):
 def test_fsdp_memory_state_per_rank_is_zero3_arithmetic(fsdp_memory_run):
     """FSDP holds 3P/W per rank (parameters, gradients, momentum, all sharded), DDP 3P at every W: counted from
     the tensors each rank holds, so it is exact, not a measurement with noise."""
-    _, rows = read_csv(fsdp_memory_run.out / "fsdp_memory.csv")
+    _, rows = columns_and_rows(fsdp_memory_run.out / "fsdp_memory.csv")
     p = 8 * (256 * 256 + 256) * 4
     state: dict[tuple[str, int], set[int]] = {}
     for r in rows:

@@ -23,7 +23,6 @@ the in-process checks cost ~20 CPU-s, and the W = 2 job (two forked processes of
 from __future__ import annotations
 
 import contextlib
-import csv
 import gzip
 import importlib.util
 import json
@@ -50,6 +49,7 @@ from harness import (
     tolerance,
 )
 from lesson_diffs import BOUNDARY, FILE_DIFFS, file_diff, file_diff_block
+from tools.cli import read_csv
 
 HERE = ROOT / "ddp_by_hand"
 COMMON = "--batch-size 32 --dtype float64 --epochs 5"
@@ -358,8 +358,7 @@ def waits_for_every_all_reduce(rows: dict[str, dict]) -> None:
 @pytest.mark.readme_run(OVERLAP_QUICK)
 def test_the_quick_profiling_run_measures_overlap_and_its_control(readme_runs):
     run = readme_run(readme_runs, OVERLAP_QUICK)
-    with open(run.out / "overlap.csv", newline="") as f:
-        rows = {r["name"]: r for r in csv.DictReader(f)}
+    rows = {r["name"]: r for r in read_csv(run.out / "overlap.csv")}
     assert set(rows) == {"hand 25/1 MiB", "hand, after backward 25/1 MiB", "ddp 25/1 MiB", "hand 25/25 MiB",
                          "ddp 25/25 MiB", "hand 0.001/0.001 MiB", "ddp 0.001/0.001 MiB", "hand 1000/1000 MiB",
                          "ddp 1000/1000 MiB"}

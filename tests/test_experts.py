@@ -22,14 +22,13 @@ trainers use: the run says so before it starts), and the experts' gradients aver
 """
 from __future__ import annotations
 
-import csv
-
 import pytest
 
 from conftest import readme_run
 from harness import ROOT, Run, Step, launch, load_copy, mutate, run_chains, time_limit, tolerance
 from test_context_parallel import SEED, TINY, compare, equals_one_process
 from test_gpt import refusal, refused_in_one_line
+from tools.cli import read_csv
 
 STAGE = "14_experts"
 TOL = tolerance("float64")
@@ -185,8 +184,7 @@ def test_the_all_to_all_carries_the_formulas_bytes(readme_runs):
     are, whatever the routing. (A redundant exchange in the backward, planted once, made them 1.5 times it.) And the
     README's table is the committed CSV's, the default run's."""
     run = readme_run(readme_runs, TRAFFIC)
-    with open(run.out / "moe_traffic.csv", newline="") as f:
-        rows = [{k: float(v) for k, v in r.items()} for r in csv.DictReader(f)]
+    rows = [{k: float(v) for k, v in r.items()} for r in read_csv(run.out / "moe_traffic.csv")]
     assert [(r["ep"], r["experts"], r["top_k"]) for r in rows] == [(2, 4, 2), (2, 4, 4)], rows
     for r in rows:  # --quick: 2 blocks of width 32, 16 windows of 24 a step over 2 ranks, float32
         tokens, k = 16 // 2 * 24, r["top_k"]

@@ -29,7 +29,6 @@ test runs anyway. The compiled run costs the most here (~35 CPU-s with a cold in
 from __future__ import annotations
 
 import contextlib
-import csv
 import hashlib
 import io
 import math
@@ -46,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import readme_run
 from harness import ROOT, Run, Step, clean_env, group_of_one, load_stage, mutate, run_chains, tolerance
 from readme_blocks import BLOCKS
+from tools.cli import read_csv
 
 STAGE = "11_gpt"
 TOL = tolerance("float64")
@@ -541,8 +541,7 @@ QUICK = "python benchmarks/gpt_scaling.py --quick --out runs/gpt_scaling_quick" 
 def test_the_scaling_benchmark_writes_its_table_and_figure(readme_runs):
     """The README's quick run of benchmarks/gpt_scaling.py (W = 1 and 2, a tiny model): its CSV, PNG and table."""
     run = readme_run(readme_runs, QUICK)
-    with open(run.out / "gpt_scaling.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_csv(run.out / "gpt_scaling.csv")
     assert [(r["setting"], r["processes"], r["dp"], r["tp"]) for r in rows] == \
         [("1 process, 1 thread", "1", "1", "1"), ("DDP, W = 2", "2", "2", "1")], rows
     assert int(rows[1]["global_batch"]) == 2 * int(rows[0]["global_batch"])

@@ -7,7 +7,6 @@ tests/test_faults.py, with every other stage's.
 """
 from __future__ import annotations
 
-import csv
 import importlib.util
 import itertools
 import os
@@ -32,6 +31,7 @@ from harness import (
     tolerance,
     with_args,
 )
+from tools.cli import read_csv
 
 STAGE = "10_pipeline_parallel"
 TOL = tolerance("float64")
@@ -138,7 +138,7 @@ def test_the_bubble_benchmark_measures_both_clocks(readme_runs):
     """The README's quick run of the benchmark: measured wall-clock rows for 2 stages, and on the schedule's own clock
     the formula exactly, for p = 2, 3, 4 (the schedules' real order of forwards and backwards, played out)."""
     run = readme_run(readme_runs, BUBBLE_QUICK)
-    rows = list(csv.DictReader(open(run.out.with_suffix(".csv"))))
+    rows = read_csv(run.out.with_suffix(".csv"))
     wall = [r for r in rows if r["clock"] == "wall"]
     assert {(r["schedule"], r["m"]) for r in wall} == {(s, m) for s in ("gpipe", "1f1b") for m in ("1", "4")}
     # One micro-batch is one chain (F on stage 0, then F and B on stage 1, then B on stage 0): no two computations

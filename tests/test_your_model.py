@@ -34,6 +34,7 @@ from page_blocks import (
     shown_outputs,
     untagged,
 )
+from tools.cli import read_csv
 
 HERE = ROOT / "your_model"
 PAGE = HERE / "index.md"
@@ -243,8 +244,7 @@ def lr_scaling():
 
 
 def read_rows(path: Path) -> list[dict]:
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_csv(path)
     for r in rows:
         r.update({k: int(r[k]) for k in INT_COLUMNS})
         r.update({k: float(r[k]) for k in ("lr", "train_loss", "eval_loss", "eval_accuracy")})

@@ -22,7 +22,6 @@ bugs are forked launches.
 """
 from __future__ import annotations
 
-import csv
 import json
 import re
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 from conftest import readme_run
 from harness import ROOT, TORCHRUN, check, edited, forked_ranks, launch_commands, load_copy, replay_error, tolerance
 from lesson_diffs import FILE_DIFFS, file_diff, file_diff_block
+from tools.cli import read_csv
 
 HERE = ROOT / "zero_by_hand"
 COMMON = "--batch-size 32 --dtype float64 --epochs 5"
@@ -257,8 +257,7 @@ def test_a_unit_not_gathered_again_for_its_backward_fails_the_job_naming_it(tmp_
 @pytest.mark.readme_run(MEMORY)
 def test_what_each_rank_keeps_and_sends_is_the_formulas(readme_runs):
     run = readme_run(readme_runs, MEMORY)
-    with open(run.out / "memory.csv") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_csv(run.out / "memory.csv")
     assert {(r["way"], int(r["W"])) for r in rows} == {(way, w) for way in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3",
                                                                             "FSDP2", "FSDP2-no-reshard")
                                                          for w in (2, 3)}

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import math
 import os
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -88,6 +89,22 @@ def print_table(rows: list[list[str]]) -> None:
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    """A CSV file's rows, each a dict from its header's columns to the row's cells."""
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def write_csv(path: Path, rows: Iterable[dict], columns: Sequence[str], floats: str | None = ".6g") -> None:
+    """`rows` as a CSV file under `columns` (a row's other keys left out), each float in the format `floats` (None: in
+    full, as Python prints it)."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows({k: format(v, floats) if floats and isinstance(v, float) else v for k, v in r.items()}
+                         for r in rows)
 
 
 def exit_worker() -> None:

@@ -27,7 +27,6 @@ with reshard_after_forward, 2 without (the weights stay whole from forward to ba
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import inspect
 import sys
@@ -51,7 +50,7 @@ import zero1  # noqa: E402
 import zero2  # noqa: E402
 import zero3  # noqa: E402
 
-from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive, print_table  # noqa: E402
+from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive, print_table, write_csv  # noqa: E402
 
 WAYS = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2", "FSDP2-no-reshard")
 # Bytes per weight on each rank (float32, AdamW): (weights, gradients, AdamW's two moments), at W ranks.
@@ -225,10 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         results = mp.get_context(method).SimpleQueue()
         mp.start_processes(worker, args=(world, args, results), nprocs=world, start_method=method)
         rows += [results.get() for _ in args.ways]
-    with open(args.out / "memory.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows({k: f"{v:.4f}" if isinstance(v, float) else v for k, v in row.items()} for row in rows)
+    write_csv(args.out / "memory.csv", rows, COLUMNS, floats=".4f")
     print(f"rank 0 of W, float32, AdamW; the MLP: {rows[0]['weights']:,} weights ({rows[0]['weights'] * 4 / MiB:.1f} "
           f"MiB); MiB after a step, counted from the live tensors, and the formula; the transient peak during the step;"
           f" MiB sent per step and rank (ring costs of the collectives counted), and the formula")
