@@ -15,13 +15,13 @@ from harness import (
     Job,
     Step,
     assert_same_training,
+    attempt_workers,
     check,
     launch,
     load_stage,
     max_abs_diff,
     time_limit,
     with_args,
-    workers,
 )
 
 STAGE = "06_checkpoint"
@@ -102,13 +102,11 @@ def test_killed_workers_are_restarted_and_resume_exactly(tmp_path):
     def killer(job: Job) -> None:  # runs beside the job
         earlier: set[int] = set()  # the workers of the attempts killed so far
         for rank in KILLED:
-            # This attempt's workers, found while they start: a scan of /proc can take a second on a loaded
-            # machine, a second in which an epoch-0.1s job would train on past the kill (as a CI run once did).
-            while len(pids := {r: p for r, p in workers(job).items() if p not in earlier}) < step.nproc:
-                if job.ended.is_set():
-                    errors.append(f"the job ended before attempt {len(kills) + 1} had {step.nproc} workers")
-                    return
-                time.sleep(0.05)
+            # Found while they start: scanned once the snapshot is there, an epoch-0.1s job trains on past the
+            # kill (a CI run's second attempt went from epoch 1 to 8 before it).
+            if (pids := attempt_workers(job, step.nproc, earlier)) is None:
+                errors.append(f"the job ended before attempt {len(kills) + 1} had {step.nproc} workers")
+                return
             # The old attempt's workers are gone before the new ones start: the snapshot is what it resumes from,
             # or already one it saved; kill once it has saved (another) one.
             resumed_from = _version(snapshot)

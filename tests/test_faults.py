@@ -62,6 +62,7 @@ from harness import (
     Job,
     Run,
     Step,
+    attempt_workers,
     check,
     clean_env,
     free_port,
@@ -72,7 +73,6 @@ from harness import (
     mutate,
     selected,
     with_args,
-    workers,
 )
 
 DDP_STAGES = [s for s in STAGES if s >= "03" and s[:2] in CONFIGS]  # killed as the tour runs them
@@ -1097,10 +1097,12 @@ def test_gpt_killed_worker_is_restarted_and_resumes_exactly(pace, tmp_path):
 
     def killer(job: Job) -> None:  # beside the job: once a checkpoint is complete, kill rank 1 (once)
         ck = tmp_path / "killed" / "ck"
+        if (pids := attempt_workers(job, 2)) is None:  # found while they start, to kill at once below
+            return
         while not complete_checkpoints(ck) and not job.ended.is_set():
             time.sleep(POLL)
-        if (pid := workers(job).get(1)) is not None:
-            os.kill(pid, signal.SIGKILL)
+        if not job.ended.is_set():
+            os.kill(pids[1], signal.SIGKILL)
             kills.append(complete_checkpoints(ck)[-1])
 
     with ThreadPoolExecutor(max_workers=2) as pool:

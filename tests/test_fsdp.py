@@ -18,6 +18,7 @@ from harness import (
     Run,
     Step,
     assert_same_training,
+    attempt_workers,
     check,
     launch,
     load_stage,
@@ -29,7 +30,6 @@ from harness import (
     tolerance,
     with_args,
     with_batch,
-    workers,
 )
 
 STAGE = "08_fsdp"
@@ -152,10 +152,12 @@ def test_killed_worker_is_restarted_and_resumes_exactly(runs, tmp_path):
     kills: list[int] = []
 
     def killer(job: Job) -> None:  # runs beside the job
+        if (pids := attempt_workers(job, step.nproc)) is None:  # found while they start, to kill at once below
+            return
         while _epochs_in(ck) < FIRST and not job.ended.is_set():
             time.sleep(0.05)
-        if (pid := workers(job).get(1)) is not None:
-            os.kill(pid, signal.SIGKILL)
+        if not job.ended.is_set():
+            os.kill(pids[1], signal.SIGKILL)
             kills.append(_epochs_in(ck))
 
     run = check(launch(step, out=tmp_path / "out", timeout=time_limit(programs=1 + 2 * step.nproc),  # agent, 2 attempts
