@@ -173,8 +173,8 @@ def workers(job: Job) -> dict[int, int]:
 
 def attempt_workers(job: Job, nproc: int, earlier: set[int] = frozenset()) -> dict[int, int] | None:
     """{rank: pid} of an attempt's `nproc` workers (none of them in `earlier`, the pids of the attempts before), found
-    while they start; None if the job ends first. A scan of /proc can take a second on a loaded machine: a killer that
-    scans once the training has reached its point kills it that much later, so it scans before and then only waits."""
+    while they start; None if the job ends first. A scan reads three files of every process on the machine: a killer
+    that scans once the training has reached its point kills that much later, so it scans before and then only waits."""
     while len(pids := {r: p for r, p in workers(job).items() if p not in earlier}) < nproc:
         if job.ended.is_set():
             return None

@@ -86,7 +86,7 @@ def _version(snapshot: Path) -> tuple[int, int] | None:
 
 
 KILLED = (1, 0, 1)  # the rank killed in each of the first 3 attempts: alternating
-LONG = 10  # the killed job's epochs: each attempt is killed once it has saved one epoch, so the job cannot end first
+LONG = 10  # the killed job's epochs: the 3 killed attempts need to save 1 each; the other 7 are the kills' slack
 
 
 def test_killed_workers_are_restarted_and_resume_exactly(tmp_path):
@@ -102,8 +102,8 @@ def test_killed_workers_are_restarted_and_resume_exactly(tmp_path):
     def killer(job: Job) -> None:  # runs beside the job
         earlier: set[int] = set()  # the workers of the attempts killed so far
         for rank in KILLED:
-            # Found while they start: scanned once the snapshot is there, an epoch-0.1s job trains on past the
-            # kill (a CI run's second attempt went from epoch 1 to 8 before it).
+            # Found while they start, not once the snapshot is there: whatever the scan takes then, the job trains on
+            # (a CI run's kill meant for epoch 3 landed at epoch 8).
             if (pids := attempt_workers(job, step.nproc, earlier)) is None:
                 errors.append(f"the job ended before attempt {len(kills) + 1} had {step.nproc} workers")
                 return
