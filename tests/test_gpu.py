@@ -182,7 +182,7 @@ def test_a_gpt_training_step_never_waits_for_the_gpu(stage, nproc, args):
 
 def test_a_gpt_step_on_the_gpu_makes_nothing_on_the_host():
     """tests/host_copies.py on the GPU: 11's and 12's models, two steps each, no operation on a host tensor (scalars
-    apart) and no waiting (set_sync_debug_mode("error")); its planted controls seen."""
+    taken by value apart) and no waiting (set_sync_debug_mode("error")); its planted controls seen."""
     from host_copies import problems
     run = check(run_command([sys.executable, str(ROOT / "tests" / "host_copies.py"), "--device", "cuda"],
                             env=visible(1), timeout=TIMEOUT))

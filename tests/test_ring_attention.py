@@ -27,7 +27,8 @@ below read them:
   algorithm must send, in float64 and in bfloat16 (whose gradients travel in float32).
 
 And one more process, tests/host_copies.py: a step of 11's and 12's GPT on the meta device makes no tensor on the
-host and copies none from it, and 12's masks are built once per shape; its planted controls are seen.
+host and copies none from it (not even a scalar), and 12's masks are built once per shape; its planted controls
+are seen as what they plant.
 
     pytest tests/test_ring_attention.py -s      also prints what was seen (errors, counts)
 
@@ -265,7 +266,9 @@ def test_a_step_makes_nothing_on_the_host(host_copies):
     the meta device: no operation on a tensor on the CPU (a copy from the host, a mask or positions made there), and
     12's second step builds no mask (made once per shape). The planted controls, as the code was before: positions
     made on the host and copied every forward, the diagonal's mask made on the host and copied every layer, the
-    mask made on the device but again every layer; each is seen in both steps."""
+    mask made on the device but again every layer; and a scalar made on the host and copied every layer (two ways):
+    each is seen in both steps as what it plants (its copy, or its masks), a step that merely fails does not count.
+    A CPU scalar taken by value (as SDPA's seed on a GPU) is allowed."""
     from host_copies import problems  # here: it imports torch, which collecting this module does not need
     assert not problems(host_copies), problems(host_copies)
     print("\nops on host tensors per step: 0 in every case; planted: " +
