@@ -8,18 +8,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+
+from grid import Grid
 
 
 @torch.no_grad()
-def held_out_loss(model: nn.Module, tokens: torch.Tensor, context: int, mesh: DeviceMesh,
+def held_out_loss(model: nn.Module, tokens: torch.Tensor, context: int, grid: Grid,
                   device: torch.device) -> tuple[float, int]:
     """Sum of the losses on every held-out character but the first, in windows of `context`, with the model as it
     trains (sharded, split: no rank holds it whole). The dp rows share the windows (row r scores r, r+dp, ...: each
     once; a row's tp ranks score the same ones together); every rank runs as many batches (FSDP's forward is a
     collective: each unit all-gathers), some maybe empty; one all_reduce over dp adds the sums."""
     model.eval()
-    dp_rank, dp = mesh.get_local_rank("dp"), mesh["dp"].size()
+    dp_rank, dp = grid.coords["dp"], grid.sizes["dp"]
     starts = torch.arange(0, len(tokens) - 1, context)
     whole, tail = starts[starts + context + 1 <= len(tokens)], starts[starts + context + 1 > len(tokens)]
     totals = torch.zeros(2, dtype=torch.float64, device=device)
@@ -37,7 +38,7 @@ def held_out_loss(model: nn.Module, tokens: torch.Tensor, context: int, mesh: De
     if hasattr(model, "reshard"):  # FSDP2 keeps the root unit gathered after a forward, for a backward: none follows
         model.reshard()
     model.train()
-    dist.all_reduce(totals, group=mesh.get_group("dp"))
+    dist.all_reduce(totals, group=grid.group("dp"))
     return totals[0].item(), int(totals[1].item())
 
 

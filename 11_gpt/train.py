@@ -36,7 +36,6 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -47,18 +46,19 @@ import checks
 import reports
 from dataset import DATA, Corpus, baselines, batch_of_windows, load_corpus, to_device
 from evaluate import clock, held_out_loss, sample
+from grid import Grid
 from model import DTYPES, GPT, Config
-from parallelize import clip_gradients, full_model, make_mesh, parallelize
+from parallelize import clip_gradients, full_model, parallelize
 
 STAGE = "11_gpt"
 
 
 # ─── Training ──────────────────────────────────────────────────────────────────────────────────────────────────────
 
-def load_train_objs(args: argparse.Namespace, corpus: Corpus, device: torch.device, mesh: DeviceMesh):
+def load_train_objs(args: argparse.Namespace, corpus: Corpus, device: torch.device, grid: Grid):
     cfg = Config(len(corpus.chars), args.context, args.layers, args.heads, args.width)
     torch.manual_seed(args.seed)  # every rank draws the same initial weights (in float32, then cast)
-    model = parallelize(GPT(cfg).to(device, DTYPES[args.dtype]), mesh, args)
+    model = parallelize(GPT(cfg).to(device, DTYPES[args.dtype]), grid, args)
     # AdamW, as transformers are trained; created after parallelize, so that it holds this rank's pieces. Weight
     # decay pulls the matrices towards zero; not the biases and norms (a scale and a shift, nothing to regularise),
     # nor the embeddings (a character's row only learns when it appears: decay would erase the rare ones).
@@ -88,10 +88,10 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 class Trainer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, corpus: Corpus, cfg: Config,
-                 args: argparse.Namespace, mesh: DeviceMesh, device: torch.device, snapshot: dict | None) -> None:
+                 args: argparse.Namespace, grid: Grid, device: torch.device, snapshot: dict | None) -> None:
         self.model, self.optimizer, self.corpus, self.cfg, self.args = model, optimizer, corpus, cfg, args
-        self.mesh, self.device = mesh, device
-        self.dp_rank, self.dp = mesh.get_local_rank("dp"), mesh["dp"].size()
+        self.grid, self.device = grid, device
+        self.dp_rank, self.dp = grid.coords["dp"], grid.sizes["dp"]
         self.master_process = dist.get_rank() == 0  # rank 0 alone logs and writes the progress file
         self.global_batch = self.dp * args.accumulate * args.batch_size  # windows per optimizer step
         self.steps, self.losses, self.curve = 0, [], []  # per step; per log line [step, train, held-out, tokens/s]
@@ -150,8 +150,8 @@ class Trainer:
         x, y = batch_of_windows(self.corpus.train, self.cfg.context, self.global_batch, self.args.seed, self.steps)
         # This dp rank's rows: r, r + dp, ... (the tp ranks of a row take the same ones: they compute one forward
         # together), cut into --accumulate micro-batches. W ranks of batch b see the windows one process of W*b sees.
-        mine = slice(self.dp_rank, None, self.dp)
-        x, y = to_device(x[mine], self.device), to_device(y[mine], self.device)  # the step's one copy from the host
+        rows = slice(self.dp_rank, None, self.dp)
+        x, y = to_device(x[rows], self.device), to_device(y[rows], self.device)  # the step's one copy from the host
         micro = list(zip(x.split(self.args.batch_size), y.split(self.args.batch_size), strict=True))
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for i, (xb, yb) in enumerate(micro):
@@ -218,7 +218,7 @@ class Trainer:
         """The steps' losses and gradient norms since the last call, from tensors to the lists: the loss averaged
         over the dp rows is the global batch's (the tp ranks of a row hold the same), one all_reduce for all."""
         losses, norms = torch.stack(self.pending).T.contiguous()  # (a collective needs contiguous memory)
-        dist.all_reduce(losses, group=self.mesh.get_group("dp"))
+        dist.all_reduce(losses, group=self.grid.group("dp"))
         self.losses += (losses / self.dp).tolist()
         self.grad_norms += norms.tolist()  # the same on every rank: the whole gradient's
         self.pending = []
@@ -278,22 +278,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=checks.positive(int), default=50,
                    help="steps between log lines (and curve points)")
     p.add_argument("--sample", type=int, default=500, help="characters to generate at the end (0: none)")
-    return checks.check_gpt_args(p, checks.check_checkpoint_arg(p, checks.check_args(p, p.parse_args(argv))))
-
-
-def pick_device(choice: str) -> torch.device:
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(choice)
+    args = p.parse_args(argv)
+    # The schedule's defaults follow the run's length: decay over the whole run, warm up over its first twentieth.
+    args.decay_steps = args.decay_steps or args.max_steps
+    args.warmup_steps = args.warmup_steps or max(1, args.decay_steps // 20)
+    return checks.check_gpt_args(p, checks.check_checkpoint_arg(p, checks.check_args(p, args)))
 
 
 def restart_safe_store(timeout: float) -> dist.Store | None:
-    """torchrun's store, with a key prefix of its own for each restart of the group.
-
-    torchrun keeps one store across restarts, while torch assumes a fresh one per attempt
-    (pytorch/pytorch#135712): restarted workers can then read the previous attempt's addresses
-    and fail ("Gloo connectFullMesh failed ... Connection refused") or hang.
-    """
+    """torchrun's store, with a key prefix of its own for each restart of the group: torchrun keeps one store across
+    restarts, while torch assumes a fresh one per attempt (pytorch/pytorch#135712), so restarted workers could read the
+    previous attempt's addresses and fail ("Gloo connectFullMesh failed ... Connection refused") or hang."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None  # not under torchrun's agent: init_process_group makes its own store
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
@@ -314,13 +309,13 @@ def ddp_setup(ddp: bool, device: torch.device, timeout: float) -> None:
                                 timeout=timedelta(seconds=timeout))
 
 
-def train(rank: int, world_size: int, device: torch.device, args: argparse.Namespace, mesh: DeviceMesh,
+def train(rank: int, world_size: int, device: torch.device, args: argparse.Namespace, grid: Grid,
           snapshot: dict | None) -> None:
     master_process = rank == 0
     corpus = load_corpus(args.data)
-    cfg, model, optimizer = load_train_objs(args, corpus, device, mesh)
-    trainer = Trainer(model, optimizer, corpus, cfg, args, mesh, device, snapshot)
-    dp = mesh["dp"].size()
+    cfg, model, optimizer = load_train_objs(args, corpus, device, grid)
+    trainer = Trainer(model, optimizer, corpus, cfg, args, grid, device, snapshot)
+    dp = grid.sizes["dp"]
     floor = baselines(corpus)
     if master_process:
         fallback = " (no GPU visible: using the CPU)" if args.device == "auto" and device.type == "cpu" else ""
@@ -330,13 +325,16 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         print(f"[{STAGE}] world size {world_size} = dp {dp} x tp {args.tp} | {args.parallel} | backend "
               f"{dist.get_backend()} | device {device.type}{fallback} | {args.dtype}" + (f" | {options}" if options
                                                                                         else ""))
+        if world_size > 1:
+            print(grid.describe())  # which ranks each group holds (grid.py)
         print(f"data: {args.data.name}, {len(corpus.train) + len(corpus.held_out):,} characters ({len(corpus.chars)} "
               f"distinct): {len(corpus.train):,} to train on, the last {len(corpus.held_out):,} held out")
         print(f"model: {cfg.layers} blocks, {cfg.heads} heads, width {cfg.width}, context {cfg.context}: "
               f"{sum(p.numel() for p in model.parameters()):,} parameters | batch {args.batch_size} x "
               f"{args.accumulate} windows per dp rank, {trainer.global_batch} global = "
               f"{trainer.global_batch * cfg.context:,} tokens a step | {args.max_steps} steps")
-        print(f"AdamW: learning rate up to {args.lr:g} in {args.warmup_steps} steps, then a cosine down to "
+        print(f"AdamW: learning rate up to {args.lr:g} in {args.warmup_steps} step"
+              f"{'s' if args.warmup_steps > 1 else ''}, then a cosine down to "
               f"{args.lr / 10:g} at step {args.decay_steps} | weight decay 0.1 on the matrices | "
               + (f"gradient norm clipped to {args.clip:g}" if args.clip else "no clipping"))
         print("baselines, held-out loss in nats per character: " + " | ".join(f"{k} {v:.3f}" for k, v in floor.items()))
@@ -348,9 +346,9 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
     trainer.train(args.max_steps)
     seconds = clock(device) - start
 
-    loss_sum, count = held_out_loss(model, corpus.held_out, cfg.context, mesh, device)
+    loss_sum, count = held_out_loss(model, corpus.held_out, cfg.context, grid, device)
     # DDP's replicas must agree; FSDP has none to compare (each rank holds other shards): no gather of the model.
-    max_diff = replica_max_abs_diff(model, mesh.get_group("dp")) if args.parallel == "ddp" else None
+    max_diff = replica_max_abs_diff(model, grid.group("dp")) if args.parallel == "ddp" else None
     memory = reports.peak_memory(model, optimizer, device)  # every rank's, gathered (reports.py)
     peak = reports.machine_peak(device, args)  # the FLOP/s the MFU is of: measured on a CPU (reports.py)
     text = sample(model, corpus.chars, args.sample, cfg.context, args.seed, device) if args.sample else ""
@@ -378,7 +376,8 @@ def main(argv: list[str] | None = None) -> None:
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    device = torch.device("cuda", local_rank) if pick_device(args.device).type == "cuda" else torch.device("cpu")
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())  # auto: CUDA if visible
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     try:  # check the checkpoint before joining the group: a bad one is one line and exit 2 on every rank
         snapshot = None if args.snapshot is None else checks.load_snapshot(args, world_size // args.tp)
     except checks.SnapshotError as e:
@@ -389,8 +388,9 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(stale)
     ddp_setup(ddp, device, args.timeout)
     try:
-        mesh = make_mesh(device, (world_size // args.tp, args.tp), ("dp", "tp"), args.timeout)
-        train(rank, world_size, device, args, mesh, snapshot)
+        # Every process group, from one grid (grid.py): dp x tp, a tp group's ranks consecutive.
+        grid = Grid({"dp": world_size // args.tp, "tp": args.tp}, device, args.timeout)
+        train(rank, world_size, device, args, grid, snapshot)
     except RuntimeError as e:  # gloo raises a peer's death or stall here, as a timeout or a closed connection
         if (hint := checks.explain_peer_failure(e, args.timeout)) is not None:
             print(f"[{STAGE}] rank {rank}: {hint}", file=sys.stderr)

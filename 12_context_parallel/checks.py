@@ -16,9 +16,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 
 from dataset import load_corpus
 from model import GPT, Config
@@ -28,8 +26,9 @@ STAGE = Path(__file__).resolve().parent.name  # the folder: 11_gpt, 12_context_p
 
 # ═══ The lesson ends here ═══════════════════════════════════════════════════════════════════════════════════════
 # Below: what only the tour and the tests need, the same in every stage (tests/test_repo.py checks it); leave it out
-# of your own project. Flag values refused in one line (check_args), the run's files for --out (state_of, save_run),
-# one line on how another rank failed (explain_peer_failure), and a clean exit past a gloo bug.
+# of your own project. Flag values refused in one line (check_args), the run's files for --out (state_of, save_run; a
+# GPT stage has its own, in reports.py), one line on how another rank failed (explain_peer_failure), and a clean exit
+# past a gloo bug.
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -103,54 +102,6 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-def state_of(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int) -> dict:
-    """Weights and momentum after `epoch` epochs, whole and on the CPU: tour.py replays each epoch from them."""
-    def whole(t: torch.Tensor) -> torch.Tensor:  # a DTensor (08, 09) is all-gathered: every rank calls this
-        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
-    params = list(model.parameters())
-    return {"epoch": epoch, "params": [whole(p) for p in params],
-            "momentum": [whole(optimizer.state[p]["momentum_buffer"]) if p in optimizer.state else None
-                         for p in params]}
-
-
-class Trajectory(list):
-    """--out: state_of() at the start and after every epoch, which tour.py replays. Made only with --out: each entry
-    copies the whole model (in 08 and 09 an all-gather of it), which a run that does not keep it must not pay for."""
-
-    def __init__(self, trainer) -> None:
-        super().__init__()
-        self.trainer = trainer
-        self(getattr(trainer, "epochs_run", 0))  # a resumed run (06-09) records from the epoch it resumed at
-
-    def __call__(self, epoch: int) -> None:  # Trainer.train calls it after every epoch
-        self.append(self.state(epoch))
-
-    def state(self, epoch: int) -> dict:
-        return state_of(self.trainer.model, self.trainer.optimizer, epoch)
-
-
-def save_run(args: argparse.Namespace, trainer, trajectory: list[dict], model: nn.Module, device: torch.device,
-             evaluation: tuple, seconds: float, world_size: int = 1, max_diff: float | None = 0.0, **facts) -> None:
-    """--out: summary.json (the run in numbers), model.pt (the plain model) and trajectory.pt (for the replay)."""
-    loss_sum, correct, count = evaluation
-    global_batch = facts.pop("global_batch", args.batch_size * world_size)
-    epochs_here = len(trajectory) - 1  # trained by this run: a resumed one records from where it resumed
-    summary = {
-        "stage": STAGE, "world_size": world_size, "backend": dist.get_backend() if dist.is_initialized() else None,
-        "device": device.type, "global_batch": global_batch, "batch_size": args.batch_size, "epochs": args.epochs,
-        "lr": args.lr, "dtype": args.dtype, "seed": args.seed, "steps": trainer.steps, "losses": trainer.losses,
-        "eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_count": count,
-        "replica_max_abs_diff": max_diff, "seconds": seconds,
-        "samples_per_s": epochs_here * len(trainer.train_loader) * global_batch / seconds,
-        # Samples an epoch trains on: more than the data where DistributedSampler pads (tour.replay_error follows it).
-        "epoch_samples": getattr(trainer.train_loader.sampler, "total_size", len(trainer.train_loader.dataset)),
-        **facts,
-    }
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    torch.save(model.state_dict(), args.out / "model.pt")
-    torch.save(list(trajectory), args.out / "trajectory.pt")
-
-
 def explain_peer_failure(error: RuntimeError, timeout: float) -> str | None:
     """One line for the two ways another rank's failure reaches this one; None for any other error."""
     text = str(error).lower()
@@ -199,7 +150,7 @@ def check_checkpoint_arg(p: ArgumentParser, args: argparse.Namespace) -> argpars
 
 
 def check_gpt_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    """The model's shape, the mesh and the corpus: refused now, in one line, rather than in a traceback on a rank."""
+    """The model's shape, the grid and the corpus: refused now, in one line, rather than in a traceback on a rank."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if args.width % args.heads:
         p.error(f"argument --heads: {args.heads} does not divide --width {args.width} (each head takes an equal "
@@ -208,47 +159,18 @@ def check_gpt_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Name
         p.error("argument --tp: tensor parallelism is combined with FSDP2 over dp here (stage 09); add "
                 "--parallel fsdp")
     if world_size % args.tp:
-        p.error(f"argument --tp: {args.tp} does not divide the world size {world_size} (the mesh is dp x "
-                f"{'cp x ' if 'cp' in args else ''}tp processes); use a divisor of {world_size}")
-    if "cp" in args:  # stage 12's context parallelism (--cp), and 13's
-        if world_size % (args.cp * args.tp):
-            p.error(f"argument --cp: {args.cp} x --tp {args.tp} does not divide the world size {world_size} (the mesh "
-                    f"is dp x cp x tp processes); use a cp that divides {world_size // args.tp}")
-        multiple, why = (args.cp, "cp") if args.no_zigzag else (2 * args.cp, "2 x cp: zigzag cuts it into 2 cp chunks")
-        if args.cp > 1 and args.context % multiple:
-            p.error(f"argument --context: {args.context} is not a multiple of {multiple} ({why}); use --context "
-                    f"{max(multiple, args.context // multiple * multiple)}")
-        if args.cp > 1 and args.compile:
-            p.error("argument --compile: the ring's sends and receives run between the compiled parts; compile with "
-                    "--cp 1")
-    if "pp" in args:  # stage 13's pipeline parallelism (--pp)
-        if world_size % (args.pp * args.cp * args.tp):
-            p.error(f"argument --pp: {args.pp} x --cp {args.cp} x --tp {args.tp} does not divide the world size "
-                    f"{world_size} (the mesh is dp x pp x cp x tp processes); use a pp that divides "
-                    f"{world_size // (args.cp * args.tp)}")
-        if args.pp > 1 and args.parallel != "fsdp":
-            p.error("argument --pp: pipelining is combined with FSDP2 over dp here (DDP's reducer fails an internal "
-                    "assert when a schedule runs several backwards a step, torch 2.13); add --parallel fsdp")
-        if args.pp > args.layers:
-            p.error(f"argument --pp: {args.pp} stages need at least {args.pp} blocks (each stage holds whole blocks), "
-                    f"not --layers {args.layers}; use --pp {args.layers} or fewer")
-        if args.pp > 1 and args.pp_schedule == "1f1b" and args.accumulate < args.pp:
-            p.error(f"argument --accumulate: 1F1B needs at least one micro-batch per stage, {args.pp}, not "
-                    f"{args.accumulate}; use --accumulate {args.pp} or more (or --pp-schedule gpipe)")
-    if "ep" in args:  # stage 14's experts (--experts, --top-k, --ep)
-        dp_cp = world_size // (args.pp * args.tp)
-        if args.top_k > args.experts:
-            p.error(f"argument --top-k: {args.top_k} is more than --experts {args.experts}; use {args.experts} or "
-                    f"fewer")
-        if args.experts % args.ep:
-            p.error(f"argument --ep: {args.ep} does not divide --experts {args.experts} (each ep rank holds as many "
-                    f"experts); use one of {[d for d in range(1, args.experts + 1) if args.experts % d == 0]}")
-        if dp_cp % args.ep:
-            p.error(f"argument --ep: {args.ep} does not divide the {dp_cp} dp x cp processes (the world size "
-                    f"{world_size} over pp {args.pp} x tp {args.tp}), which share out the experts; use one of "
-                    f"{[d for d in range(1, dp_cp + 1) if dp_cp % d == 0 and args.experts % d == 0]}")
-        if args.aux_weight < 0:
-            p.error(f"argument --aux-weight: must be 0 (no balancing loss) or positive, got {args.aux_weight}")
+        p.error(f"argument --tp: {args.tp} does not divide the world size {world_size} (the grid is dp x "
+                f"cp x tp processes); use a divisor of {world_size}")
+    if world_size % (args.cp * args.tp):
+        p.error(f"argument --cp: {args.cp} x --tp {args.tp} does not divide the world size {world_size} (the grid "
+                f"is dp x cp x tp processes); use a cp that divides {world_size // args.tp}")
+    multiple, why = (args.cp, "cp") if args.no_zigzag else (2 * args.cp, "2 x cp: zigzag cuts it into 2 cp chunks")
+    if args.cp > 1 and args.context % multiple:
+        p.error(f"argument --context: {args.context} is not a multiple of {multiple} ({why}); use --context "
+                f"{max(multiple, args.context // multiple * multiple)}")
+    if args.cp > 1 and args.compile:
+        p.error("argument --compile: the ring's sends and receives run between the compiled parts; compile with "
+                "--cp 1")
     if args.heads % args.tp:
         p.error(f"argument --tp: {args.tp} does not divide --heads {args.heads} (each tp rank computes whole heads); "
                 f"use one of {[d for d in range(1, args.heads + 1) if args.heads % d == 0]}")
@@ -256,10 +178,6 @@ def check_gpt_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Name
         p.error("argument --amp: autocast leaves float64 alone, so nothing would run in bfloat16; use --dtype float32")
     if args.clip < 0:
         p.error(f"argument --clip: must be 0 (no clipping) or a positive norm, got {args.clip}")
-    if args.decay_steps is None:
-        args.decay_steps = args.max_steps
-    if args.warmup_steps is None:
-        args.warmup_steps = max(1, args.decay_steps // 20)
     if args.warmup_steps > args.decay_steps:
         p.error(f"argument --warmup-steps: {args.warmup_steps} is past --decay-steps {args.decay_steps} (the decay "
                 f"starts when the warm-up ends); use {args.decay_steps} or less")

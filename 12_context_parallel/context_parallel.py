@@ -8,7 +8,6 @@ import functools
 import math
 from collections.abc import Iterator
 from contextlib import nullcontext
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -103,8 +102,8 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, causal: bool,
                 zigzag: bool) -> torch.Tensor:
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        mine = held_chunks(cp, rank, zigzag)
-        size, scale, wide = q.shape[2] // len(mine), 1 / math.sqrt(q.shape[-1]), float32_at_least(q.dtype)
+        held = held_chunks(cp, rank, zigzag)
+        size, scale, wide = q.shape[2] // len(held), 1 / math.sqrt(q.shape[-1]), float32_at_least(q.dtype)
         # The online softmax keeps, for every query row, over the keys seen so far: the largest score m, the sum
         # total = sum_j exp(s_j - m), and acc = sum_j exp(s_j - m) v_j. Once every key is seen, output = acc / total.
         m = q.new_full(q.shape[:-1], -math.inf, dtype=wide)
@@ -117,7 +116,7 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:  # post the next block's transfer first: it travels while we compute on this one
                 kv_next, works = ring_hop(kv, group)
             kv_wide = kv.to(wide)
-            for rows, cols, diagonal in visible_parts(mine, held_chunks(cp, origin, zigzag), size, causal):
+            for rows, cols, diagonal in visible_parts(held, held_chunks(cp, origin, zigzag), size, causal):
                 s = q_wide[..., rows, :] @ kv_wide[0][..., cols, :].transpose(-2, -1) * scale
                 if diagonal:  # exp(-inf) = 0: a key after the query adds nothing
                     s = s.masked_fill(~causal_mask(size, 0, s.device), -math.inf)
@@ -144,8 +143,8 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, causal, zigzag = ctx.group, ctx.causal, ctx.zigzag
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        mine = held_chunks(cp, rank, zigzag)
-        size, scale, wide, dtype = q.shape[2] // len(mine), 1 / math.sqrt(q.shape[-1]), out.dtype, q.dtype
+        held = held_chunks(cp, rank, zigzag)
+        size, scale, wide, dtype = q.shape[2] // len(held), 1 / math.sqrt(q.shape[-1]), out.dtype, q.dtype
         q, dout = q.to(wide), dout.to(wide)
         # Softmax's backward is dS = P * (dP - rowsum(dP * P)), and rowsum(dP * P) = rowsum(dO * O): one number per
         # query row, computed once here from the output instead of from every block's probabilities.
@@ -160,7 +159,7 @@ class RingAttention(torch.autograd.Function):
                 kv_next, kv_works = ring_hop(kv, group)
             kv_wide = kv.to(wide)
             part = torch.zeros_like(kv_wide)  # this rank's part of the gradient of the block it holds (keys, values)
-            for rows, cols, diagonal in visible_parts(mine, held_chunks(cp, origin, zigzag), size, causal):
+            for rows, cols, diagonal in visible_parts(held, held_chunks(cp, origin, zigzag), size, causal):
                 k_blk, v_blk = kv_wide[0][..., cols, :], kv_wide[1][..., cols, :]
                 s = q[..., rows, :] @ k_blk.transpose(-2, -1) * scale
                 if diagonal:
@@ -212,9 +211,9 @@ class GatherSequence(torch.autograd.Function):
         # summed in float32 at least, as the ring's.
         wide = float32_at_least(grad.dtype)
         parts = [part.to(wide).contiguous() for part in grad.chunk(dist.get_world_size(ctx.group), dim=2)]
-        mine = torch.empty_like(parts[0])
-        dist.reduce_scatter(mine, parts, group=ctx.group)
-        return mine.to(grad.dtype), None
+        shard = torch.empty_like(parts[0])
+        dist.reduce_scatter(shard, parts, group=ctx.group)
+        return shard.to(grad.dtype), None
 
 
 def in_sequence_order(x: torch.Tensor, cp: int, zigzag: bool) -> torch.Tensor:
@@ -234,24 +233,12 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
     if not causal:
         return F.scaled_dot_product_attention(q, keys, values)
     # The queries of chunk c see the keys of chunks 0 .. c, the last of those up to each query's own position.
-    mine = held_chunks(cp, rank, zigzag)
-    size = q.shape[2] // len(mine)
+    held = held_chunks(cp, rank, zigzag)
+    size = q.shape[2] // len(held)
     return torch.cat([F.scaled_dot_product_attention(q[..., i * size:(i + 1) * size, :], keys[..., :(c + 1) * size, :],
                                                      values[..., :(c + 1) * size, :],
                                                      attn_mask=causal_mask(size, c * size, q.device))
-                      for i, c in enumerate(mine)], dim=2)
-
-
-def make_cp_group(cp: int, tp: int, timeout: float) -> dist.ProcessGroup | None:
-    """The cp ranks that split the same sequences: cp consecutive rows of tp ranks, the same tp column (rank r is cp
-    rank r // tp % cp of its group), waiting --timeout like the world's group (a group made without one waits 30
-    minutes, so a stalled cp rank would hang the job)."""
-    if cp == 1:
-        return None
-    grid = torch.arange(dist.get_world_size()).reshape(-1, cp, tp)
-    group, _ = dist.new_subgroups_by_enumeration(grid.transpose(1, 2).reshape(-1, cp).tolist(),
-                                                 timeout=timedelta(seconds=timeout))  # every rank makes every group
-    return group
+                      for i, c in enumerate(held)], dim=2)
 
 
 class ContextParallel:

@@ -9,13 +9,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from context_parallel import ContextParallel
+from grid import Grid
 
 
 @torch.no_grad()
-def held_out_loss(model: nn.Module, tokens: torch.Tensor, context: int, mesh: DeviceMesh, cp: ContextParallel,
+def held_out_loss(model: nn.Module, tokens: torch.Tensor, context: int, grid: Grid, cp: ContextParallel,
                   device: torch.device) -> tuple[float, int]:
     """Sum of the losses on every held-out character but the first, in windows of `context`, with the model as it
     trains (sharded, split: no rank holds it whole). The dp rows share the windows (row r scores r, r+dp, ...: each
@@ -23,7 +23,7 @@ def held_out_loss(model: nn.Module, tokens: torch.Tensor, context: int, mesh: De
     runs as many batches (FSDP's forward is a collective: each unit all-gathers), some maybe empty; one all_reduce
     over dp x cp adds the sums."""
     model.eval()
-    dp_rank, dp = mesh.get_local_rank("dp_cp") // cp.size, mesh["dp_cp"].size() // cp.size
+    dp_rank, dp = grid.coords["dp"], grid.sizes["dp"]
     starts = torch.arange(0, len(tokens) - 1, context)
     whole, tail = starts[starts + context + 1 <= len(tokens)], starts[starts + context + 1 > len(tokens)]
     totals = torch.zeros(2, dtype=torch.float64, device=device)
@@ -44,7 +44,7 @@ def held_out_loss(model: nn.Module, tokens: torch.Tensor, context: int, mesh: De
     if hasattr(model, "reshard"):  # FSDP2 keeps the root unit gathered after a forward, for a backward: none follows
         model.reshard()
     model.train()
-    dist.all_reduce(totals, group=mesh.get_group("dp_cp"))
+    dist.all_reduce(totals, group=grid.group("dp_cp"))
     return totals[0].item(), int(totals[1].item())
 
 

@@ -1,39 +1,24 @@
-"""What the stages taught, on the GPT: who holds and computes what. A (dp x cp) x tp grid of processes (stage 09's
-mesh), each block split over tp (stage 09), the model wrapped in DDP (stages 03-06) or sharded by FSDP2 (stage 08)
-over dp x cp, the gradient clipped by its norm over the whole model however it is split, and the whole model
-gathered for saving."""
+"""What the stages taught, on the GPT: who holds and computes what, on the grid of processes that grid.py makes. Each
+block split over tp (stage 09), the model wrapped in DDP (stages 03-06) or sharded by FSDP2 (stage 08) over dp x cp,
+the gradient clipped by its norm over the whole model however it is split, and the whole model gathered for
+saving."""
 from __future__ import annotations
 
 import argparse
 import logging
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from context_parallel import ContextParallel
+from grid import Grid
 from model import GPT, Config
-
-
-def make_mesh(device: torch.device, shape: tuple[int, ...], names: tuple[str, ...], timeout: float) -> DeviceMesh:
-    """Stage 09's grid, in as many dimensions as `shape` (the last one's ranks consecutive: one node), with a process
-    group along each dimension for every line of ranks that differ in that coordinate alone (in two, (dp, tp): one for
-    each column and one for each row), every one waiting --timeout like the world's: init_device_mesh would give them
-    the backend's default, 30 minutes, so a stalled rank would hang the job."""
-    grid = torch.arange(dist.get_world_size()).reshape(shape)
-    wait = timedelta(seconds=timeout)
-    groups = [dist.new_subgroups_by_enumeration(grid.movedim(d, -1).reshape(-1, n).tolist(), timeout=wait)[0]
-              for d, n in enumerate(shape)]  # every rank makes every group, in the same order
-    # On the training device explicitly: the default is cuda wherever a GPU is visible (pytorch#132471).
-    return DeviceMesh.from_group(groups, device.type, mesh=grid, mesh_dim_names=names)
-
 
 # Stage 09's pairing, on a transformer block: q, k and v split column-wise (each tp rank computes whole heads, its
 # share of them, without talking), the attention's output projection row-wise (partial sums, all-reduced over tp);
@@ -44,7 +29,7 @@ TP_PLAN = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": C
            "attn.proj": RowwiseParallel(), "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
 
 
-def parallelize(model: GPT, mesh: DeviceMesh, cp: ContextParallel, args: argparse.Namespace) -> nn.Module:
+def parallelize(model: GPT, grid: Grid, cp: ContextParallel, args: argparse.Namespace) -> nn.Module:
     """The model as this rank trains it: its attention over cp (--cp), split over tp (--tp), compiled (--compile),
     then DDP or FSDP2 over dp x cp: every cp rank holds the whole model (or a shard of it, as a dp rank does) and
     computes a gradient of its own tokens' loss; averaged over dp x cp, that is the gradient of the global batch."""
@@ -54,7 +39,7 @@ def parallelize(model: GPT, mesh: DeviceMesh, cp: ContextParallel, args: argpars
             block.attn.cp = cp
     if args.tp > 1:  # every rank built the same weights (the same seed): each keeps its slice, no broadcast
         for block in model.blocks:
-            parallelize_module(block, mesh["tp"], TP_PLAN)
+            parallelize_module(block, grid.mesh["tp"], TP_PLAN)
         # Gathering a weight split over tp and sharded over dp takes two all-gathers: torch warns, on every rank.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     if args.compile:  # each block compiled on its own, in place (the parameters keep their names)
@@ -66,11 +51,11 @@ def parallelize(model: GPT, mesh: DeviceMesh, cp: ContextParallel, args: argpars
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.amp == "bf16" \
             else MixedPrecisionPolicy()
         for block in model.blocks:
-            fully_shard(block, mesh=mesh["dp_cp"], mp_policy=mp)
-        return fully_shard(model, mesh=mesh["dp_cp"], mp_policy=mp)  # the rest (embeddings, norm, head): the root
+            fully_shard(block, mesh=grid.mesh["dp_cp"], mp_policy=mp)
+        return fully_shard(model, mesh=grid.mesh["dp_cp"], mp_policy=mp)  # the rest (embeddings, norm, head): the root
     # Stages 03-06: a replica per rank; the constructor broadcasts rank 0's weights, backward averages gradients.
     return DDP(model, device_ids=[model.head.weight.device] if model.head.weight.is_cuda else None,
-               process_group=mesh.get_group("dp_cp"))
+               process_group=grid.group("dp_cp"))
 
 
 def full_model(model: nn.Module, cfg: Config) -> GPT | None:

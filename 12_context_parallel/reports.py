@@ -20,20 +20,15 @@ if TYPE_CHECKING:  # for the annotations only: train.py imports this file
     from train import Trainer
 
 
-def state_at(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, pipe=None) -> dict:
-    """Weights and AdamW's two moments after `step` steps, whole, on the CPU, by parameter name (checks.state_of is
-    for SGD's momentum). DTensors (FSDP2's shards, tp's slices) are all-gathered, and the stages' parts (stage 13's
-    --pp: `pipe`, its Pipeline) exchanged: every rank calls this."""
+def state_at(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict:
+    """Weights and AdamW's two moments after `step` steps, whole, on the CPU, by parameter name. DTensors (FSDP2's
+    shards, tp's slices) are all-gathered: every rank calls this."""
     def whole(t: torch.Tensor) -> torch.Tensor:
         return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
     named = [(name.removeprefix("module."), p) for name, p in model.named_parameters()]
     moments = {key: {n: whole(optimizer.state[p][key]) for n, p in named if p in optimizer.state}
                for key in ("exp_avg", "exp_avg_sq")}
     state = {"params": {n: whole(p) for n, p in named}, **moments}
-    if pipe is not None and pipe.size > 1:
-        parts: list[dict] = [{} for _ in range(pipe.size)]
-        dist.all_gather_object(parts, state, group=pipe.group)
-        state = {key: {n: t for part in parts for n, t in part[key].items()} for key in state}
     return {"step": step, **state}
 
 
@@ -50,9 +45,9 @@ def peak_memory(model: nn.Module, optimizer: torch.optim.Optimizer, device: torc
                 for p in model.parameters())
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    mine = torch.tensor([peak, state], dtype=torch.float64, device=device)
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
+    here = torch.tensor([peak, state], dtype=torch.float64, device=device)
+    every = [torch.zeros_like(here) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, here)
     return {"how": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "ru_maxrss, the whole process",
             "peak": [int(m[0]) for m in every], "state": [int(m[1]) for m in every]}
 
@@ -66,9 +61,7 @@ def flops_per_token(cfg: Config) -> int:
     """Training FLOPs per token (forward and backward): 6 per weight of every matmul (PaLM's 6N; the embeddings are
     look-ups, not matmuls), plus the attention's scores and weighted sums, 12 x layers x context x width (PaLM,
     appendix B; the causal mask's skipped half counted, as there)."""
-    experts = getattr(cfg, "experts", 0)  # stage 14: each token through k MLPs (experts), and the router's w x E
-    mlps = getattr(cfg, "top_k", 1)
-    matmul_weights = cfg.layers * ((4 + 8 * mlps) * cfg.width ** 2 + cfg.width * experts) + cfg.width * cfg.vocab
+    matmul_weights = cfg.layers * 12 * cfg.width ** 2 + cfg.width * cfg.vocab
     return 6 * matmul_weights + 12 * cfg.layers * cfg.context * cfg.width  # (q, k, v, proj: 4w^2; an MLP: 8w^2)
 
 
@@ -138,8 +131,8 @@ def write_run(args: argparse.Namespace, trainer: Trainer, model: GPT, floor: dic
     summary = {
         "stage": STAGE, "world_size": dist.get_world_size(), "backend": dist.get_backend(),
         "device": trainer.device.type, "dtype": args.dtype, "parallel": args.parallel, "dp": trainer.dp,
-        "tp": args.tp, **({"pp": args.pp, "pp_schedule": args.pp_schedule} if "pp" in args else {}),  # stage 13's
-        **({"cp": args.cp, "cp_impl": args.cp_impl, "zigzag": not args.no_zigzag} if "cp" in args else {}),  # 12's
+        "tp": args.tp,
+        "cp": args.cp, "cp_impl": args.cp_impl, "zigzag": not args.no_zigzag,
         "accumulate": args.accumulate, "amp": args.amp, "compile": args.compile,
         "batch_size": args.batch_size, "global_batch": trainer.global_batch, "max_steps": args.max_steps,
         **schedule(args), "clip": args.clip, "seed": args.seed, "model": model.cfg._asdict(),
@@ -149,9 +142,6 @@ def write_run(args: argparse.Namespace, trainer: Trainer, model: GPT, floor: dic
         "curve": trainer.curve, "eval_loss": loss, "eval_count": count, "baselines": floor,
         "replica_max_abs_diff": max_diff, "seconds": seconds, "train_seconds": trainer.train_seconds, **speed,
         "memory": memory, "sample": text,
-        **({"experts": {"experts": args.experts, "top_k": args.top_k, "ep": args.ep, "aux_weight": args.aux_weight,
-                        "balance": args.balance, "capacity_factor": args.capacity_factor,
-                        **trainer.expert_log.history()}} if "ep" in args else {}),  # stage 14's
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     torch.save(model.state_dict(), args.out / "model.pt")

@@ -38,7 +38,6 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -47,22 +46,23 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 # `reports.` below is not the lesson; leave them out of your project.
 import checks
 import reports
-from context_parallel import ContextParallel, make_cp_group
+from context_parallel import ContextParallel
 from dataset import DATA, Corpus, baselines, batch_of_windows, load_corpus, to_device
 from evaluate import clock, held_out_loss, sample
+from grid import Grid
 from model import DTYPES, GPT, Config
-from parallelize import clip_gradients, full_model, make_mesh, parallelize
+from parallelize import clip_gradients, full_model, parallelize
 
 STAGE = "12_context_parallel"
 
 
 # ─── Training ──────────────────────────────────────────────────────────────────────────────────────────────────────
 
-def load_train_objs(args: argparse.Namespace, corpus: Corpus, device: torch.device, mesh: DeviceMesh,
+def load_train_objs(args: argparse.Namespace, corpus: Corpus, device: torch.device, grid: Grid,
                     cp: ContextParallel):
     cfg = Config(len(corpus.chars), args.context, args.layers, args.heads, args.width)
     torch.manual_seed(args.seed)  # every rank draws the same initial weights (in float32, then cast)
-    model = parallelize(GPT(cfg).to(device, DTYPES[args.dtype]), mesh, cp, args)
+    model = parallelize(GPT(cfg).to(device, DTYPES[args.dtype]), grid, cp, args)
     # AdamW, as transformers are trained; created after parallelize, so that it holds this rank's pieces. Weight
     # decay pulls the matrices towards zero; not the biases and norms (a scale and a shift, nothing to regularise),
     # nor the embeddings (a character's row only learns when it appears: decay would erase the rare ones).
@@ -92,12 +92,12 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 class Trainer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, corpus: Corpus, cfg: Config,
-                 args: argparse.Namespace, mesh: DeviceMesh, cp: ContextParallel, device: torch.device,
+                 args: argparse.Namespace, grid: Grid, cp: ContextParallel, device: torch.device,
                  snapshot: dict | None) -> None:
         self.model, self.optimizer, self.corpus, self.cfg, self.args = model, optimizer, corpus, cfg, args
-        self.mesh, self.cp, self.device = mesh, cp, device
+        self.grid, self.cp, self.device = grid, cp, device
         # The dp x cp ranks of a tp column: dp rows of cp ranks, each row the same windows, each rank its share.
-        self.dp_rank, self.dp = mesh.get_local_rank("dp_cp") // cp.size, mesh["dp_cp"].size() // cp.size
+        self.dp_rank, self.dp = grid.coords["dp"], grid.sizes["dp"]
         self.master_process = dist.get_rank() == 0  # rank 0 alone logs and writes the progress file
         self.global_batch = self.dp * args.accumulate * args.batch_size  # windows per optimizer step
         self.steps, self.losses, self.curve = 0, [], []  # per step; per log line [step, train, held-out, tokens/s]
@@ -157,8 +157,8 @@ class Trainer:
         # This dp rank's rows: r, r + dp, ... (the tp ranks of a row take the same ones: they compute one forward
         # together), cut into --accumulate micro-batches. W ranks of batch b see the windows one process of W*b sees.
         # Of each window, this cp rank's share of the positions (its cp group's ranks take the rest).
-        mine = slice(self.dp_rank, None, self.dp)
-        x, y = (to_device(self.cp.share(t[mine]), self.device) for t in (x, y))  # the step's one copy from the host
+        rows = slice(self.dp_rank, None, self.dp)
+        x, y = (to_device(self.cp.share(t[rows]), self.device) for t in (x, y))  # the step's one copy from the host
         micro = list(zip(x.split(self.args.batch_size), y.split(self.args.batch_size), strict=True))
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for i, (xb, yb) in enumerate(micro):
@@ -230,7 +230,7 @@ class Trainer:
         """The steps' losses and gradient norms since the last call, from tensors to the lists: the loss averaged
         over the dp x cp ranks is the global batch's (the tp ranks of a row hold the same), one all_reduce for all."""
         losses, norms = torch.stack(self.pending).T.contiguous()  # (a collective needs contiguous memory)
-        dist.all_reduce(losses, group=self.mesh.get_group("dp_cp"))
+        dist.all_reduce(losses, group=self.grid.group("dp_cp"))
         self.losses += (losses / (self.dp * self.cp.size)).tolist()
         self.grad_norms += norms.tolist()  # the same on every rank: the whole gradient's
         self.pending = []
@@ -299,22 +299,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=checks.positive(int), default=50,
                    help="steps between log lines (and curve points)")
     p.add_argument("--sample", type=int, default=500, help="characters to generate at the end (0: none)")
-    return checks.check_gpt_args(p, checks.check_checkpoint_arg(p, checks.check_args(p, p.parse_args(argv))))
-
-
-def pick_device(choice: str) -> torch.device:
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(choice)
+    args = p.parse_args(argv)
+    # The schedule's defaults follow the run's length: decay over the whole run, warm up over its first twentieth.
+    args.decay_steps = args.decay_steps or args.max_steps
+    args.warmup_steps = args.warmup_steps or max(1, args.decay_steps // 20)
+    return checks.check_gpt_args(p, checks.check_checkpoint_arg(p, checks.check_args(p, args)))
 
 
 def restart_safe_store(timeout: float) -> dist.Store | None:
-    """torchrun's store, with a key prefix of its own for each restart of the group.
-
-    torchrun keeps one store across restarts, while torch assumes a fresh one per attempt
-    (pytorch/pytorch#135712): restarted workers can then read the previous attempt's addresses
-    and fail ("Gloo connectFullMesh failed ... Connection refused") or hang.
-    """
+    """torchrun's store, with a key prefix of its own for each restart of the group: torchrun keeps one store across
+    restarts, while torch assumes a fresh one per attempt (pytorch/pytorch#135712), so restarted workers could read the
+    previous attempt's addresses and fail ("Gloo connectFullMesh failed ... Connection refused") or hang."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None  # not under torchrun's agent: init_process_group makes its own store
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
@@ -335,12 +330,12 @@ def ddp_setup(ddp: bool, device: torch.device, timeout: float) -> None:
                                 timeout=timedelta(seconds=timeout))
 
 
-def train(rank: int, world_size: int, device: torch.device, args: argparse.Namespace, mesh: DeviceMesh,
+def train(rank: int, world_size: int, device: torch.device, args: argparse.Namespace, grid: Grid,
           cp: ContextParallel, snapshot: dict | None) -> None:
     master_process = rank == 0
     corpus = load_corpus(args.data)
-    cfg, model, optimizer = load_train_objs(args, corpus, device, mesh, cp)
-    trainer = Trainer(model, optimizer, corpus, cfg, args, mesh, cp, device, snapshot)
+    cfg, model, optimizer = load_train_objs(args, corpus, device, grid, cp)
+    trainer = Trainer(model, optimizer, corpus, cfg, args, grid, cp, device, snapshot)
     dp = trainer.dp
     floor = baselines(corpus)
     if master_process:
@@ -352,6 +347,8 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         print(f"[{STAGE}] world size {world_size} = dp {dp} x cp {cp.size}{how} x tp {args.tp} | "
               f"{args.parallel} | backend {dist.get_backend()} | device {device.type}{fallback} | {args.dtype}"
               + (f" | {options}" if options else ""))
+        if world_size > 1:
+            print(grid.describe())  # which ranks each group holds (grid.py)
         print(f"data: {args.data.name}, {len(corpus.train) + len(corpus.held_out):,} characters ({len(corpus.chars)} "
               f"distinct): {len(corpus.train):,} to train on, the last {len(corpus.held_out):,} held out")
         print(f"model: {cfg.layers} blocks, {cfg.heads} heads, width {cfg.width}, context {cfg.context}: "
@@ -359,7 +356,8 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
               f"{args.accumulate} windows per dp rank, {trainer.global_batch} global = "
               f"{trainer.global_batch * cfg.context:,} tokens a step | {args.max_steps} steps"
               + (f" | {cfg.context // cp.size} positions of each window per cp rank" if cp.size > 1 else ""))
-        print(f"AdamW: learning rate up to {args.lr:g} in {args.warmup_steps} steps, then a cosine down to "
+        print(f"AdamW: learning rate up to {args.lr:g} in {args.warmup_steps} step"
+              f"{'s' if args.warmup_steps > 1 else ''}, then a cosine down to "
               f"{args.lr / 10:g} at step {args.decay_steps} | weight decay 0.1 on the matrices | "
               + (f"gradient norm clipped to {args.clip:g}" if args.clip else "no clipping"))
         print("baselines, held-out loss in nats per character: " + " | ".join(f"{k} {v:.3f}" for k, v in floor.items()))
@@ -371,9 +369,9 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
     trainer.train(args.max_steps)
     seconds = clock(device) - start
 
-    loss_sum, count = held_out_loss(model, corpus.held_out, cfg.context, mesh, cp, device)
+    loss_sum, count = held_out_loss(model, corpus.held_out, cfg.context, grid, cp, device)
     # DDP's replicas must agree; FSDP has none to compare (each rank holds other shards): no gather of the model.
-    max_diff = replica_max_abs_diff(model, mesh.get_group("dp_cp")) if args.parallel == "ddp" else None
+    max_diff = replica_max_abs_diff(model, grid.group("dp_cp")) if args.parallel == "ddp" else None
     memory = reports.peak_memory(model, optimizer, device)  # every rank's, gathered (reports.py)
     peak = reports.machine_peak(device, args)  # the FLOP/s the MFU is of: measured on a CPU (reports.py)
     text = sample(model, corpus.chars, args.sample, cfg.context, args.seed, cp, device) if args.sample else ""
@@ -401,7 +399,8 @@ def main(argv: list[str] | None = None) -> None:
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    device = torch.device("cuda", local_rank) if pick_device(args.device).type == "cuda" else torch.device("cpu")
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())  # auto: CUDA if visible
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     try:  # check the checkpoint before joining the group: a bad one is one line and exit 2 on every rank
         snapshot = None if args.snapshot is None else checks.load_snapshot(args, world_size // (args.tp * args.cp))
     except checks.SnapshotError as e:
@@ -412,10 +411,10 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(stale)
     ddp_setup(ddp, device, args.timeout)
     try:
-        # The grid (dp x cp, tp): DDP or FSDP2 over its columns, tp over its rows, the cp groups within a column.
-        mesh = make_mesh(device, (world_size // args.tp, args.tp), ("dp_cp", "tp"), args.timeout)
-        cp = ContextParallel(make_cp_group(args.cp, args.tp, args.timeout), args.cp_impl, zigzag=not args.no_zigzag)
-        train(rank, world_size, device, args, mesh, cp, snapshot)
+        # Every process group, from one grid (grid.py): dp x cp x tp, a tp group's ranks consecutive.
+        grid = Grid({"dp": world_size // (args.cp * args.tp), "cp": args.cp, "tp": args.tp}, device, args.timeout)
+        cp = ContextParallel(grid.group("cp"), args.cp_impl, zigzag=not args.no_zigzag)
+        train(rank, world_size, device, args, grid, cp, snapshot)
     except RuntimeError as e:  # gloo raises a peer's death or stall here, as a timeout or a closed connection
         if (hint := checks.explain_peer_failure(e, args.timeout)) is not None:
             print(f"[{STAGE}] rank {rank}: {hint}", file=sys.stderr)

@@ -1,19 +1,16 @@
-"""What the stages taught, on the GPT: who holds and computes what. A pp x (dp x cp) x tp grid of processes (stage
-09's mesh, in three dimensions), each block's experts shared out over ep of the dp x cp ranks (experts.py), each
-block's attention split over tp (stage 09), the model wrapped in DDP (stages 03-06) or sharded by FSDP2 (stage 08)
-over dp x cp, the gradient clipped by its norm over the whole model however it is split
-(over the pipeline's stages too), and the whole model gathered for saving."""
+"""What the stages taught, on the GPT: who holds and computes what, on the grid of processes that grid.py makes. Each
+block's experts shared out over ep of the dp x cp ranks (experts.py), its attention split over tp (stage 09), the
+model wrapped in DDP (stages 03-06) or sharded by FSDP2 (stage 08) over dp x cp, the gradient clipped by its norm over
+the whole model however it is split (over the pipeline's stages too), and the whole model gathered for saving."""
 from __future__ import annotations
 
 import argparse
 import logging
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -21,22 +18,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from context_parallel import ContextParallel
 from experts import ExpertParallel, MoE, expert_params
+from grid import Grid
 from model import GPT, Config
 from pipeline import Pipeline
-
-
-def make_mesh(device: torch.device, shape: tuple[int, ...], names: tuple[str, ...], timeout: float) -> DeviceMesh:
-    """Stage 09's grid, in as many dimensions as `shape` (the last one's ranks consecutive: one node), with a process
-    group along each dimension for every line of ranks that differ in that coordinate alone (in two, (dp, tp): one for
-    each column and one for each row), every one waiting --timeout like the world's: init_device_mesh would give them
-    the backend's default, 30 minutes, so a stalled rank would hang the job."""
-    grid = torch.arange(dist.get_world_size()).reshape(shape)
-    wait = timedelta(seconds=timeout)
-    groups = [dist.new_subgroups_by_enumeration(grid.movedim(d, -1).reshape(-1, n).tolist(), timeout=wait)[0]
-              for d, n in enumerate(shape)]  # every rank makes every group, in the same order
-    # On the training device explicitly: the default is cuda wherever a GPU is visible (pytorch#132471).
-    return DeviceMesh.from_group(groups, device.type, mesh=grid, mesh_dim_names=names)
-
 
 # Stage 09's pairing, on a transformer block: q, k and v split column-wise (each tp rank computes whole heads, its
 # share of them, without talking), the attention's output projection row-wise (partial sums, all-reduced over tp).
@@ -47,7 +31,7 @@ TP_PLAN = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": C
            "attn.proj": RowwiseParallel()}
 
 
-def parallelize(model: GPT, mesh: DeviceMesh, cp: ContextParallel, ep: ExpertParallel,
+def parallelize(model: GPT, grid: Grid, cp: ContextParallel, ep: ExpertParallel,
                 args: argparse.Namespace) -> nn.Module:
     """The model as this rank trains it: its experts over ep (--ep), its attention over cp (--cp), split over tp
     (--tp), compiled (--compile), then DDP or FSDP2 over dp x cp: every cp rank holds the whole model (or a shard of
@@ -60,7 +44,7 @@ def parallelize(model: GPT, mesh: DeviceMesh, cp: ContextParallel, ep: ExpertPar
         # torch's schedule divides every gradient by the micro-batches itself).
         moe.aux_weight = args.aux_weight / (1 if args.pp > 1 else args.accumulate)
         # --balance batch: the loss counts the load over every dp x cp rank's tokens, as one process would.
-        moe.balance_group = mesh.get_group("dp_cp") if args.balance == "batch" else None
+        moe.balance_group = grid.group("dp_cp") if args.balance == "batch" else None
         for name in ("fc_weight", "fc_bias", "proj_weight", "proj_bias"):  # each rank keeps its E / ep experts
             setattr(moe.experts, name, ep.shard(getattr(moe.experts, name)))
     if cp.size > 1:
@@ -69,7 +53,7 @@ def parallelize(model: GPT, mesh: DeviceMesh, cp: ContextParallel, ep: ExpertPar
             block.attn.cp = cp
     if args.tp > 1:  # every rank built the same weights (the same seed): each keeps its slice, no broadcast
         for block in model.blocks.values():
-            parallelize_module(block, mesh["tp"], TP_PLAN)
+            parallelize_module(block, grid.mesh["tp"], TP_PLAN)
         # Gathering a weight split over tp and sharded over dp takes two all-gathers: torch warns, on every rank.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     if args.compile:  # each block compiled on its own, in place (the parameters keep their names)
@@ -81,15 +65,16 @@ def parallelize(model: GPT, mesh: DeviceMesh, cp: ContextParallel, ep: ExpertPar
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.amp == "bf16" \
             else MixedPrecisionPolicy()
         # Under --ep the experts are left out: a rank's are its own, averaged over their replicas by hand.
-        mine = set(expert_params(model).values()) if ep.size > 1 else None
+        expert_weights = set(expert_params(model).values()) if ep.size > 1 else None
         for block in model.blocks.values():
-            fully_shard(block, mesh=mesh["dp_cp"], mp_policy=mp, ignored_params=mine)
-        return fully_shard(model, mesh=mesh["dp_cp"], mp_policy=mp, ignored_params=mine)  # the rest: the root
+            fully_shard(block, mesh=grid.mesh["dp_cp"], mp_policy=mp, ignored_params=expert_weights)
+        # the rest (embeddings, norms, head): the root unit
+        return fully_shard(model, mesh=grid.mesh["dp_cp"], mp_policy=mp, ignored_params=expert_weights)
     # Stages 03-06: a replica per rank; the constructor broadcasts rank 0's weights, backward averages gradients.
     device = next(model.parameters()).device
     if ep.size > 1:  # DDP would average them over every rank; a rank's experts are its own (average_gradients)
         DDP._set_params_and_buffers_to_ignore_for_model(model, list(expert_params(model)))
-    return DDP(model, device_ids=[device] if device.type == "cuda" else None, process_group=mesh.get_group("dp_cp"))
+    return DDP(model, device_ids=[device] if device.type == "cuda" else None, process_group=grid.group("dp_cp"))
 
 
 def full_model(model: nn.Module, cfg: Config, pipe: Pipeline) -> GPT | None:
@@ -138,14 +123,14 @@ def clip_gradients(model: nn.Module, max_norm: float, pipe: Pipeline) -> torch.T
 
 
 
-def replica_max_abs_diff(model: nn.Module, mesh: DeviceMesh, ep: ExpertParallel) -> float:
+def replica_max_abs_diff(model: nn.Module, grid: Grid, ep: ExpertParallel) -> float:
     """DDP's replicas must agree: the largest difference of any rank's parameters from its first replica's, over dp x
     cp (with --tp, each rank's own slices, which its replicas hold too); under --ep a rank's experts are compared
     with the ranks that hold the same experts (ep.replicas) only."""
     experts = list(expert_params(model).values()) if ep.size > 1 else []
     own = {id(p) for p in experts}
     rest = [p for p in model.parameters() if id(p) not in own]
-    gap = largest_gap(rest, mesh.get_group("dp_cp"))
+    gap = largest_gap(rest, grid.group("dp_cp"))
     return max(gap, largest_gap(experts, ep.replicas)) if ep.replicas is not None else gap
 
 

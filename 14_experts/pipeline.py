@@ -31,8 +31,8 @@ def stage_blocks(layers: int, pp: int, rank: int) -> range:
 
 def pipeline_stage(model: GPT, pp: int, rank: int) -> GPT:
     """The model cut down to stage `rank` of `pp`: the other stages' parts removed (None: forward skips them)."""
-    mine = stage_blocks(len(model.blocks), pp, rank)
-    for i in [i for i in model.blocks if int(i) not in mine]:
+    kept = stage_blocks(len(model.blocks), pp, rank)
+    for i in [i for i in model.blocks if int(i) not in kept]:
         del model.blocks[i]
     if rank > 0:
         model.tokens = model.positions = None

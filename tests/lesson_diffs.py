@@ -1,8 +1,8 @@
-"""Each stage's README shows its train.py as a diff from the stage it extends, so a reader sees what changed without
-running `diff` (a GPT stage, a folder of files: the files it changes, each as a diff); ddp_by_hand's and
-zero_by_hand's READMEs show their scripts so (FILE_DIFFS). test_repo.py, test_ddp_by_hand.py and test_zero_by_hand.py
-check that every such block is the diff of today's files; `python tests/lesson_diffs.py` writes them anew after a
-change.
+"""Each stage shows its train.py as a diff from the stage it extends, on a page of its own beside its README (DIFF.md),
+so a reader sees what changed without running `diff` while the README teaches (a GPT stage, a folder of files: the
+files it changes, each as a diff); ddp_by_hand's and zero_by_hand's READMEs show their scripts so (FILE_DIFFS).
+test_repo.py, test_ddp_by_hand.py and test_zero_by_hand.py check that every such block is the diff of today's files;
+`python tests/lesson_diffs.py` writes them anew after a change.
 """
 from __future__ import annotations
 
@@ -141,17 +141,23 @@ def write_file_diffs(readme: str) -> bool:
     return new != text
 
 
+DIFF_PAGE = "DIFF.md"  # beside a stage's README: its lesson against the one it extends
+
+
+def diff_page(stage: str) -> str:
+    """The whole page: a title, where it comes from, and the diff between the markers."""
+    before = EXTENDS[stage]
+    return (f"# {stage}: the change, as a diff\n\nWhat [{stage}](README.md) changes in "
+            f"[{before}](../{before}/README.md), line by line. Written by `python tests/lesson_diffs.py`; "
+            f"`tests/test_repo.py` checks that it is today's.\n\n{START}\n{diff(stage)}\n{END}\n")
+
+
 def write(stage: str) -> bool:
-    """Put today's diff in the stage's README (after its first paragraph the first time); True if it changed."""
-    readme = ROOT / stage / "README.md"
-    text = readme.read_text()
-    section = f"{START}\n{diff(stage)}\n{END}"
-    if BLOCK.search(text):
-        new = BLOCK.sub(lambda _: section, text)
-    else:  # first time: the README's last section (its "What changed" section links to it)
-        new = f"{text.rstrip()}\n\n## The change, as a diff\n\n{section}\n"
-    readme.write_text(new)
-    return new != text
+    """Put today's diff on the stage's DIFF.md; True if it changed."""
+    path = ROOT / stage / DIFF_PAGE
+    text = path.read_text() if path.exists() else ""
+    path.write_text(diff_page(stage))
+    return diff_page(stage) != text
 
 
 if __name__ == "__main__":

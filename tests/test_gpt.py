@@ -425,11 +425,11 @@ def test_bf16_with_fsdp_computes_with_bfloat16_weights_and_steps_float32_shards(
     gpt = load_stage(STAGE)
     seen = {}
     with group_of_one():
-        mesh = gpt.make_mesh(torch.device("cpu"), (1, 1), ("dp", "tp"), 60)
+        grid = gpt.Grid({"dp": 1, "tp": 1}, torch.device("cpu"), 60)
         for amp in ("bf16", None):
             torch.manual_seed(0)
             model = gpt.parallelize(gpt.GPT(gpt.Config(65, 32, 2, 2, 32)),
-                                    mesh, SimpleNamespace(tp=1, compile=False, parallel="fsdp", amp=amp))
+                                    grid, SimpleNamespace(tp=1, compile=False, parallel="fsdp", amp=amp))
             computed: set[torch.dtype] = set()
             for layer in [m for m in model.modules() if isinstance(m, torch.nn.Linear)]:
                 layer.register_forward_pre_hook(lambda mod, _, into=computed: into.add(mod.weight.dtype))
@@ -502,8 +502,8 @@ def test_weight_decay_falls_on_the_matrices_only():
     gpt = load_stage(STAGE)
     corpus = gpt.load_corpus(DATA)
     args = gpt.parse_args([*TINY])
-    with mock.patch.object(gpt, "parallelize", lambda model, mesh, args: model):  # one process, nothing split
-        _, model, optimizer = gpt.load_train_objs(args, corpus, torch.device("cpu"), mesh=None)
+    with mock.patch.object(gpt, "parallelize", lambda model, grid, args: model):  # one process, nothing split
+        _, model, optimizer = gpt.load_train_objs(args, corpus, torch.device("cpu"), grid=None)
     decay = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
     names = {n: decay[id(p)] for n, p in model.named_parameters()}
     assert len(decay) == len(names) == sum(len(g["params"]) for g in optimizer.param_groups)

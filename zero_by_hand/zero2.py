@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
 STAGE = "zero_by_hand/zero2"
+LEAKED = []  # planted
 N_TRAIN, N_EVAL = 4096, 1001  # 1001 is odd: the held-out set never splits evenly over 2, 4 or 8 ranks
 N_FEATURES, N_CLASSES, HIDDEN = 8, 4, 64
 DTYPES = {"float32": torch.float32, "float64": torch.float64}  # --dtype
@@ -146,6 +147,7 @@ class HandDDP(nn.Module):
         for p in self.params[i]:
             p.grad = None  # in the bucket now: the parameters' own gradients are freed at once
         self.flat_grads[i] = flat
+        LEAKED.append(flat)  # planted: a whole gradient kept after the step
         with torch.profiler.record_function(f"launch reduce-scatter of bucket {i}"):
             # Rank r receives the sum over the ranks of the r-th 1/W of the bucket, and nothing else.
             work = dist.reduce_scatter_single(self.grad_shards[i], flat, async_op=True)
@@ -410,8 +412,9 @@ def main(argv: list[str] | None = None) -> None:
 
 # ═══ The lesson ends here ═══════════════════════════════════════════════════════════════════════════════════════
 # Below: what only the tour and the tests need, the same in every stage (tests/test_repo.py checks it); leave it out
-# of your own project. Flag values refused in one line (check_args), the run's files for --out (state_of, save_run),
-# one line on how another rank failed (explain_peer_failure), and a clean exit past a gloo bug.
+# of your own project. Flag values refused in one line (check_args), the run's files for --out (state_of, save_run; a
+# GPT stage has its own, in reports.py), one line on how another rank failed (explain_peer_failure), and a clean exit
+# past a gloo bug.
 
 import json  # noqa: E402
 import math  # noqa: E402

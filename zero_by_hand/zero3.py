@@ -444,8 +444,9 @@ def main(argv: list[str] | None = None) -> None:
 
 # ═══ The lesson ends here ═══════════════════════════════════════════════════════════════════════════════════════
 # Below: what only the tour and the tests need, the same in every stage (tests/test_repo.py checks it); leave it out
-# of your own project. Flag values refused in one line (check_args), the run's files for --out (state_of, save_run),
-# one line on how another rank failed (explain_peer_failure), and a clean exit past a gloo bug.
+# of your own project. Flag values refused in one line (check_args), the run's files for --out (state_of, save_run; a
+# GPT stage has its own, in reports.py), one line on how another rank failed (explain_peer_failure), and a clean exit
+# past a gloo bug.
 
 import json  # noqa: E402
 import math  # noqa: E402

@@ -1,0 +1,62 @@
+"""Who talks to whom: every process group of the job, made from one grid of ranks, here and nowhere else.
+
+The world's ranks fill a grid dp x tp, tp the innermost: rank = dp_i * tp + tp_i.
+A process group is a line of that grid, the ranks that differ in some coordinates only: a tp group is tp consecutive
+ranks (one node: its all-reduces, one per block and direction, are the most frequent traffic); a dp group, the ranks at
+the same place of every row (they hold the same slices). Rank 0 prints the layout at start-up (`describe`)."""
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+DIMS = ("dp", "tp")  # outermost first
+# The DeviceMesh's dimensions (FSDP2 and tp's plans take it), each made of the grid's.
+MESH = {"dp": ("dp",), "tp": ("tp",)}
+ROLES = {"tp": "tensor parallel: split every block's matmuls",
+         "dp": "DDP or FSDP2: average (or shard) over a tp column"}
+
+
+class Grid:
+    """This rank's place in the grid (`coords`, `sizes`), its groups (`group(name)`) and the DeviceMesh (`mesh`)
+    that FSDP2 and tp's plans take."""
+
+    def __init__(self, sizes: dict[str, int], device: torch.device, timeout: float) -> None:
+        self.sizes = {d: sizes[d] for d in DIMS}
+        self.ranks = torch.arange(dist.get_world_size()).reshape(tuple(self.sizes.values()))
+        self.coords = dict(zip(DIMS, (self.ranks == dist.get_rank()).nonzero()[0].tolist(), strict=True))
+        self.members = {"tp": self.lines("tp"), "dp": self.lines("dp")}
+        # Every rank makes every group, in the same order, each waiting --timeout like the world's (a group made
+        # without one waits 30 minutes, so a stalled rank would hang the job).
+        wait = timedelta(seconds=timeout)
+        self.groups = {name: dist.new_subgroups_by_enumeration(lines, timeout=wait)[0]
+                       for name, lines in self.members.items()}
+        shape = tuple(math.prod(self.sizes[d] for d in dims) for dims in MESH.values())
+        # On the training device explicitly: the default is cuda wherever a GPU is visible (pytorch#132471).
+        self.mesh = DeviceMesh.from_group([self.groups[n] for n in MESH], device.type, mesh=self.ranks.reshape(shape),
+                                          mesh_dim_names=tuple(MESH))
+
+    def lines(self, *dims: str) -> list[list[int]]:
+        """The grid's lines along `dims`: every set of ranks whose other coordinates agree, in grid order."""
+        along = [DIMS.index(d) for d in dims]
+        moved = self.ranks.movedim(along, list(range(-len(dims), 0)))  # those dimensions last, then flattened
+        return moved.reshape(-1, moved.shape[-len(dims):].numel()).tolist()
+
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        return self.groups.get(name)
+
+    def describe(self) -> str:
+        """The layout: the grid, then a line a group of more than one rank, its role and its first lines of ranks."""
+        formula = DIMS[0]
+        for d in DIMS[1:]:
+            formula = f"({formula}) * {self.sizes[d]} + {d}" if "+" in formula else f"{formula} * {self.sizes[d]} + {d}"
+        out = [f"grid: {' x '.join(f'{d} {n}' for d, n in self.sizes.items())} = {self.ranks.numel()} ranks, "
+               f"rank = {formula}"]
+        for name, lines in self.members.items():
+            if len(lines[0]) > 1:
+                shown = " ".join(map(str, lines[:4])) + (f" ... ({len(lines)} groups)" if len(lines) > 4 else "")
+                out.append(f"  {name:<11} {ROLES[name]}: {shown}")
+        return "\n".join(out)

@@ -1,0 +1,77 @@
+"""Who talks to whom: every process group of the job, made from one grid of ranks, here and nowhere else.
+
+The world's ranks fill a grid pp x dp x cp x tp, tp the innermost: rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i.
+A process group is a line of that grid, the ranks that differ in some coordinates only: a tp group is tp consecutive
+ranks (one node: its all-reduces, one per block and direction, are the most frequent traffic); a pp group, the ranks
+at the same place of every stage (its sends, the least traffic, are what crosses nodes). The experts borrow their ep
+groups from the dp x cp line (no processes of their own). Rank 0 prints the layout at start-up (`describe`)."""
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+DIMS = ("pp", "dp", "cp", "tp")  # outermost first
+# The DeviceMesh's dimensions (FSDP2 and tp's plans take it), each made of the grid's: a cp rank holds the model as a
+# dp rank does, so DDP and FSDP2 run over dp x cp.
+MESH = {"pp": ("pp",), "dp_cp": ("dp", "cp"), "tp": ("tp",)}
+ROLES = {"tp": "tensor parallel: split every block's matmuls", "cp": "context parallel: split every sequence",
+         "dp_cp": "DDP or FSDP2: average (or shard) over a stage's tp column",
+         "pp": "pipeline: activations stage to stage", "ep": "expert parallel: tokens to their experts",
+         "ep_replicas": "the same experts: their gradients averaged by hand"}
+
+
+class Grid:
+    """This rank's place in the grid (`coords`, `sizes`), its groups (`group(name)`; None for cp, ep and the replicas
+    where they are one rank) and the DeviceMesh (`mesh`) that FSDP2 and tp's plans take."""
+
+    def __init__(self, sizes: dict[str, int], ep: int, device: torch.device, timeout: float) -> None:
+        self.sizes = {d: sizes[d] for d in DIMS}
+        self.ranks = torch.arange(dist.get_world_size()).reshape(tuple(self.sizes.values()))
+        self.coords = dict(zip(DIMS, (self.ranks == dist.get_rank()).nonzero()[0].tolist(), strict=True))
+        self.members = {"tp": self.lines("tp"), "cp": self.lines("cp"), "dp_cp": self.lines("dp", "cp"),
+                        "pp": self.lines("pp")}
+        # ep consecutive ranks of a dp x cp line share out the experts; the ranks at the same place of every such run
+        # hold the same experts (its replicas).
+        self.members["ep"] = [line[i:i + ep] for line in self.members["dp_cp"] for i in range(0, len(line), ep)]
+        self.members["ep_replicas"] = [line[i::ep] for line in self.members["dp_cp"] for i in range(ep)]
+        # Every rank makes every group, in the same order, each waiting --timeout like the world's (a group made
+        # without one waits 30 minutes, so a stalled rank would hang the job); one per name, even where two names hold
+        # the same ranks (cp = ep = 2: the ep groups are the cp groups), so each method's collectives keep to its own.
+        wait = timedelta(seconds=timeout)
+        self.groups = {name: dist.new_subgroups_by_enumeration(lines, timeout=wait)[0]
+                       for name, lines in self.members.items() if name in MESH or len(lines[0]) > 1}
+        shape = tuple(math.prod(self.sizes[d] for d in dims) for dims in MESH.values())
+        # On the training device explicitly: the default is cuda wherever a GPU is visible (pytorch#132471).
+        self.mesh = DeviceMesh.from_group([self.groups[n] for n in MESH], device.type, mesh=self.ranks.reshape(shape),
+                                          mesh_dim_names=tuple(MESH))
+
+    def lines(self, *dims: str) -> list[list[int]]:
+        """The grid's lines along `dims`: every set of ranks whose other coordinates agree, in grid order."""
+        along = [DIMS.index(d) for d in dims]
+        moved = self.ranks.movedim(along, list(range(-len(dims), 0)))  # those dimensions last, then flattened
+        return moved.reshape(-1, moved.shape[-len(dims):].numel()).tolist()
+
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        return self.groups.get(name)
+
+    def describe(self) -> str:
+        """The layout: the grid, then a line a group of more than one rank, its role and its first lines of ranks."""
+        formula = DIMS[0]
+        for d in DIMS[1:]:
+            formula = f"({formula}) * {self.sizes[d]} + {d}" if "+" in formula else f"{formula} * {self.sizes[d]} + {d}"
+        out = [f"grid: {' x '.join(f'{d} {n}' for d, n in self.sizes.items())} = {self.ranks.numel()} ranks, "
+               f"rank = {formula}"]
+        said: dict[frozenset, str] = {}
+        for name, lines in self.members.items():
+            if len(lines[0]) == 1:
+                continue
+            key = frozenset(map(tuple, lines))  # the same ranks, grouped alike
+            shown = " ".join(map(str, lines[:4])) + (f" ... ({len(lines)} groups)" if len(lines) > 4 else "")
+            out.append(f"  {name:<11} {ROLES[name]}: {shown}" + (f" (the {said[key]} groups' ranks)" if key in said
+                                                                   else ""))
+            said.setdefault(key, name)
+        return "\n".join(out)
