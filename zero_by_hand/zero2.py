@@ -27,7 +27,6 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
 STAGE = "zero_by_hand/zero2"
-LEAKED = []  # planted
 N_TRAIN, N_EVAL = 4096, 1001  # 1001 is odd: the held-out set never splits evenly over 2, 4 or 8 ranks
 N_FEATURES, N_CLASSES, HIDDEN = 8, 4, 64
 DTYPES = {"float32": torch.float32, "float64": torch.float64}  # --dtype
@@ -147,7 +146,6 @@ class HandDDP(nn.Module):
         for p in self.params[i]:
             p.grad = None  # in the bucket now: the parameters' own gradients are freed at once
         self.flat_grads[i] = flat
-        LEAKED.append(flat)  # planted: a whole gradient kept after the step
         with torch.profiler.record_function(f"launch reduce-scatter of bucket {i}"):
             # Rank r receives the sum over the ranks of the r-th 1/W of the bucket, and nothing else.
             work = dist.reduce_scatter_single(self.grad_shards[i], flat, async_op=True)
