@@ -58,7 +58,7 @@ print(f"two experts take all: {ex14.balance_loss(skewed_probs, skewed_chosen, No
 #
 # ep consecutive dp × cp processes share out each block's experts, E/ep each (the expert weights
 # are DTensors sharded by expert); the processes at the same place of each ep group hold the same
-# experts and average their gradients (`make_ep_groups`). Eight dp processes, E = 8:
+# experts and average their gradients (grid.py makes both groups). Eight dp processes, E = 8:
 
 # %%
 for ep in (2, 4, 8):

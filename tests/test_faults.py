@@ -99,7 +99,7 @@ CP_FAULT = Step(CP_STAGE, "torchrun", (*GPT_FAULT.args, "--cp", "2"), nproc=2)
 GPT_FAULTS = {GPT_STAGE: GPT_FAULT, CP_STAGE: CP_FAULT}  # the job each GPT stage is killed or stalled in
 PP_STAGE = "13_pipeline_4d"  # 12 with pp: its cp stalls and dies as 12's does (the same code), its pipeline is new
 # Stage 13 as pp 2 alone, stalled apart from cp: rank 1 is the second pipeline stage, and rank 0's one wait on it is
-# a receive on the pp group (make_mesh's; with cp too, the cp group's timeout would end the job first).
+# a receive on the pp group (grid.py's; with cp too, the cp group's timeout would end the job first).
 PP_FAULT = Step(PP_STAGE, "torchrun", (*GPT_FAULT.args, "--layers", "2", "--pp", "2", "--parallel", "fsdp",
                                        "--accumulate", "2"), nproc=2)
 EP_STAGE = "14_experts"  # 13 with experts: killed as ep 2, whose ranks wait on each other in every block's all-to-all

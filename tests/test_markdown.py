@@ -21,6 +21,7 @@ DOCS = sorted(ROOT / name for name in subprocess.run(["git", "ls-files", "*.md"]
                                                         text=True, check=True).stdout.split())
 FENCE = re.compile(r"^\s*(```|~~~)")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+LONGEST_README = 450  # lines: past that, a README holds two things (its teaching, and a reference)
 SEPARATOR = re.compile(r"^\s*\|?\s*:?-{3,}:?\s*(\|\s*:?-{3,}:?\s*)*\|?\s*$")
 
 
@@ -88,6 +89,19 @@ def problems(text: str, path: Path) -> list[str]:
         width = cells(run[0][1])
         found += [f"line {number}: {cells(row)} cells where the header has {width} (escape a | inside a cell as \\|)"
                   for number, row in run[2:] if cells(row) != width]
+    # Headings: one title each; a second "## The change, as a diff" reads as a page put together twice, and its
+    # anchor is not the one links name.
+    seen: dict[str, int] = {}
+    for number, line in outside:
+        if m := re.match(r"^(#{1,6})\s+(.*?)\s*#*\s*$", line):
+            title = f"{m.group(1)} {m.group(2)}"
+            if title in seen:
+                found.append(f"line {number}: the heading {title!r} again (first at line {seen[title]}): merge or "
+                             f"rename")
+            seen.setdefault(title, number)
+    if path.name == "README.md" and len(lines) > LONGEST_README:
+        found.append(f"{len(lines)} lines, above {LONGEST_README}: a README teaches one thing; move the measured "
+                     f"detail or the reference to a page of its own")
     # Links: relative files exist, anchors name a heading of the page they point to.
     for number, line in outside:
         for target in LINK.findall(re.sub(r"`[^`]*`", "", line)):
@@ -110,7 +124,8 @@ def test_markdown_renders_as_written(doc: Path):
 
 
 def test_the_check_sees_what_broke_pages_before():
-    """The three bugs a reader found (2026-11-25), and a renamed heading, each planted in a page that passes."""
+    """The three bugs a reader found (2026-11-25), a renamed heading, a heading twice and a README past
+    LONGEST_README lines, each planted in a page that passes."""
     doc = ROOT / "README.md"
     text = doc.read_text()
     table = next(line for line in text.splitlines() if line.startswith("| ") and "01_single_gpu" in line)
@@ -125,6 +140,8 @@ def test_the_check_sees_what_broke_pages_before():
         "fence glued to text": glued,
         "link to a renamed heading": text.replace(heading, heading + " renamed", 1) + f"\n{link}\n",
         "link to a missing file": text + "\n[gone](no_such_folder/README.md)\n",
+        "heading twice": text + f"\n{heading}\n",
+        "README too long": text + "\nmore\n" * LONGEST_README,
     }
     assert not problems(text + f"\n{link}\n", doc), "the unplanted page (with the link) should pass"
     for what, planted in plants.items():
