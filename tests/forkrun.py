@@ -9,15 +9,19 @@ torchrun's worker does: its variables (torchrun_env: RANK, LOCAL_RANK, WORLD_SIZ
 error file, TORCHELASTIC_USE_AGENT_STORE...; OMP_NUM_THREADS=1 for N > 1), the job's store hosted by this process as
 by torchrun's agent (the ranks connect to it; none hosts one), `python -u script args` (a fresh __main__, the
 script's folder first on sys.path, __file__ absolute, argv as given, stdout and stderr unbuffered), the signal
-handlers of a program the launch (torchrun's agent) starts, and what importing torch printed. tests/test_forkrun.py
+handlers of a program the launch (torchrun's agent) starts, what importing torch printed, sys.orig_argv (`python -u
+script args`), a session of its own (torchrun's start_new_session; a `python script` leads what its launch leads),
+torch's and numpy's global generators seeded from the OS (a fork would copy the server's). tests/test_forkrun.py
 compares a forked rank with a real torchrun rank, field by field. Two differences remain, as a fork must have them:
-the ranks share this process's hash seed (torchrun's each draw their own), and they start with the modules imported
-here (torch._dynamo's 800 and more, beside torch's own): test_forkrun checks that no script uses a module it does
-not import (a script that reached torch.distributed.fsdp through torch alone would pass here and fail under
-torchrun). The tour, the fault battery, the README commands of 11, 12 and your_model/, and the first README launch
-of every other script run through torchrun itself. What torchrun does beyond starting its workers (rendezvous
-between nodes, restarts, the agent's monitoring) stays with the real launcher: here, one rank failing stops the
-others (SIGTERM, then SIGKILL after GRACE s, the order torchrun's agent uses; its grace is 30 s), and the exit
+every forked rank of the session shares this process's hash seed, across launches too (torchrun's ranks each draw
+their own, so a set of strings iterates in another order on each: a script whose ranks walk such a set to issue
+collectives would disagree under torchrun and agree here), and they start with the modules imported here
+(torch._dynamo's 800 and more, beside torch's own): test_forkrun checks that no script uses a module it does not
+import (a script that reached torch.distributed.fsdp through torch alone would pass here and fail under torchrun).
+The tour, the fault battery, the README commands of 11, 12 and your_model/, and the first README launch of every
+other script run through torchrun itself. What torchrun does beyond starting its workers (rendezvous between nodes,
+restarts, the agent's monitoring) stays with the real launcher: here, one rank failing stops the others (SIGTERM to
+each one's process group, then SIGKILL after GRACE s, as torchrun's agent does; its grace is 30 s), and the exit
 status is 1 for any failure (torchrun's too).
 A forked `python script` that starts processes with mp.spawn (stage 03, the tools that measure several world sizes)
 has its children forked from the server too (SPAWNED): multiprocessing would start each as a fresh interpreter
@@ -54,8 +58,9 @@ GRACE = 5.0  # seconds between SIGTERM and SIGKILL for the ranks left when one f
 PYTHON = "python"  # in place of N and PORT: one process, as `python script args`
 
 
-def run_rank(script: str, args: list[str], env: dict[str, str]) -> int:
-    """In the forked child: become rank env['RANK'] and run the script as __main__; its exit status."""
+def run_rank(script: str, args: list[str], env: dict[str, str], orig_argv: list[str]) -> int:
+    """In the forked child: become rank env['RANK'] and run the script as __main__; its exit status. `orig_argv`: the
+    command line the rank stands for (sys.orig_argv: `python -u script args` under torchrun)."""
     import atexit
     import builtins
     import importlib.machinery
@@ -65,6 +70,16 @@ def run_rank(script: str, args: list[str], env: dict[str, str]) -> int:
     os.write(2, IMPORT_STDERR)  # what importing torch printed, as a fresh process prints it
     warnings.filters[:] = FRESH_FILTERS
     os.environ.update(env)
+    sys.orig_argv = orig_argv
+    # torch's generator (torch.rand, a model's initial weights) and numpy's global one were seeded from the OS as the
+    # server imported them (torch imports numpy.random): a fork copies their state, so every forked rank of the
+    # session would draw the same numbers where a script sets no seed. A fresh process seeds each from the OS as it
+    # imports it: so here. (Python's `random` reseeds itself in a forked child: os.register_at_fork. CUDA's
+    # generators are made in the rank, by its first use of CUDA.)
+    if (torch := sys.modules.get("torch")) is not None:
+        torch.default_generator.seed()
+    if (numpy_random := sys.modules.get("numpy.random")) is not None:
+        numpy_random.seed()
     main = types.ModuleType("__main__")  # a fresh __main__, the script's
     if script == "-c":  # `python -c CODE args`: mp.spawn's child (SPAWNED), its code given
         text, path = args[0], "<string>"
@@ -163,6 +178,39 @@ def start_signals(ignored: list[int], agent: bool) -> None:
             signal.signal(s, handler)
 
 
+def leads() -> str:
+    """What the launch's process leads: "session" (a session of its own, as the harness starts every launch),
+    "group" (a process group: a shell's job), or "" (neither). A `python script` rank takes the same place."""
+    return "session" if os.getsid(0) == os.getpid() else "group" if os.getpgrp() == os.getpid() else ""
+
+
+def take_place(place: str, leader: int) -> None:
+    """In a rank: lead a session or a group, as the process it stands for does (torchrun starts each worker in a
+    session of its own: start_new_session). Out of the leader's group, which the server's end (os.killpg) reaches,
+    a rank dies with its leader instead (PR_SET_PDEATHSIG), and ends now if the leader has already gone."""
+    if place == "session":
+        os.setsid()
+    elif place == "group":
+        os.setpgid(0, 0)
+    if place:
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != leader:
+            os._exit(1)
+
+
+def stop(pid: int, sig: int) -> None:
+    """Signal a rank as torchrun's agent does, its process group (os.killpg); the rank alone if it has not made its
+    group yet (just forked) or belongs to the leader's."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+            return
+    except ProcessLookupError:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
 def torchrun_env(nproc: int, port: str, run_id: str, errors: str) -> list[dict[str, str]]:
     """Each rank's variables, as `torchrun --standalone` sets them for its workers (torch 2.13)."""
     common = {"MASTER_ADDR": "localhost", "MASTER_PORT": port, "WORLD_SIZE": str(nproc),
@@ -177,11 +225,12 @@ def torchrun_env(nproc: int, port: str, run_id: str, errors: str) -> list[dict[s
 
 
 def run_ranks(nproc: int, port: str, script: str, args: list[str], client: socket.socket | None = None,
-              ignored: list[int] | None = None) -> int:
+              ignored: list[int] | None = None, orig_argv: list[str] | None = None, place: str = "") -> int:
     """Fork the N ranks, wait for them; one failing stops the others. With `client` (a server's job): its
     connection closing (the test's launch killed, at its time limit) kills the ranks at once. Port PYTHON: one
-    process as `python script args` (no torchrun variables, its own exit status). A torchrun job's store is this
-    process's, as it is torchrun's agent's (TORCHELASTIC_USE_AGENT_STORE: the ranks connect to it, none hosts one)."""
+    process as `python script args` (no torchrun variables, its own exit status; `orig_argv` its command line,
+    `place` what its launch leads: leads()). A torchrun job's store is this process's, as it is torchrun's agent's
+    (TORCHELASTIC_USE_AGENT_STORE: the ranks connect to it, none hosts one); its ranks each lead a session."""
     import shutil
     import tempfile
     import uuid
@@ -190,16 +239,19 @@ def run_ranks(nproc: int, port: str, script: str, args: list[str], client: socke
     for env in envs:
         if "TORCHELASTIC_ERROR_FILE" in env:
             os.makedirs(os.path.dirname(env["TORCHELASTIC_ERROR_FILE"]))
+    if port != PYTHON:  # what torchrun's agent runs: `python -u script args` (PYTHON_EXEC: another interpreter)
+        orig_argv, place = [os.environ.get("PYTHON_EXEC", sys.executable), "-u", script, *args], "session"
     sys.stdout.flush()
     sys.stderr.flush()
-    ranks = {}
+    ranks, leader = {}, os.getpid()
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
             if client is not None:
                 client.close()
+            take_place(place, leader)
             start_signals(ignored_signals() if ignored is None else ignored, agent=port != PYTHON)
-            os._exit(run_rank(script, args, envs[rank]))
+            os._exit(run_rank(script, args, envs[rank], orig_argv or [sys.executable, script, *args]))
         ranks[pid] = rank
     try:
         return wait_for(ranks, port, client)
@@ -217,7 +269,7 @@ def wait_for(ranks: dict[int, int], port: str, client: socket.socket | None) -> 
         except Exception as e:  # the port taken since it was picked: torchrun's agent would fail too
             print(f"forkrun: cannot host the job's store on port {port}: {e}", file=sys.stderr, flush=True)
             for other in ranks:
-                os.kill(other, signal.SIGKILL)
+                stop(other, signal.SIGKILL)
             for _ in ranks:
                 os.waitpid(-1, 0)
             return 1
@@ -225,13 +277,13 @@ def wait_for(ranks: dict[int, int], port: str, client: socket.socket | None) -> 
     while ranks:
         if client is not None and select.select([client], [], [], 0.05)[0]:  # the launch is gone: so is the job
             for other in ranks:
-                os.kill(other, signal.SIGKILL)
+                stop(other, signal.SIGKILL)
             failed, deadline, client = True, float("inf"), None
         pid, status = os.waitpid(-1, os.WNOHANG) if failed or client is not None else os.waitpid(-1, 0)
         if pid == 0:  # stopping the others: wait for them, up to the grace, then kill
             if time.monotonic() > deadline:
                 for other in ranks:
-                    os.kill(other, signal.SIGKILL)
+                    stop(other, signal.SIGKILL)
                 deadline = float("inf")
             if client is None:
                 time.sleep(0.02)
@@ -242,7 +294,7 @@ def wait_for(ranks: dict[int, int], port: str, client: socket.socket | None) -> 
         if os.waitstatus_to_exitcode(status) != 0 and not failed:
             failed, deadline = True, time.monotonic() + GRACE
             for other in ranks:
-                os.kill(other, signal.SIGTERM)
+                stop(other, signal.SIGTERM)
     del store  # closed once every rank has ended, as torchrun's agent closes its own
     return 1 if failed else 0
 
@@ -305,7 +357,8 @@ def spawned(args: list[str]) -> int:
         # arguments added): the child finds each at its number. Nothing else is open here above stderr.
         passed = [fd for fd in sorted(int(name) for name in os.listdir("/proc/self/fd")) if fd > 2 and valid(fd)]
         # The parent's interpreter flags (sys.flags), which a fork keeps: served only if they are the server's.
-        served = ask_server(1, PYTHON, "-c", args[-2:], fds=tuple(passed), flags=flags)
+        served = ask_server(1, PYTHON, "-c", args[-2:], fds=tuple(passed), flags=flags,
+                            orig_argv=[*interpreter(), *args])
         if served is not None and served < 0:  # killed by a signal: so is this process, as the child was
             signal.signal(-served, signal.SIG_DFL)
             os.kill(os.getpid(), -served)
@@ -322,8 +375,15 @@ def valid(fd: int) -> bool:
     return True
 
 
+def interpreter() -> list[str]:
+    """This launch's `python [flags]`, before forkrun.py in its command line: what the program it stands for was
+    started with (its sys.orig_argv, before the script)."""
+    return sys.orig_argv[:len(sys.orig_argv) - len(sys.argv)]
+
+
 def main() -> int:
     once = os.environ.pop(REAL_ONCE, None)
+    python = interpreter()  # before sys.argv changes
     if sys.argv[1] == "--spawned":
         return spawned(sys.argv[2:])
     if sys.argv[1] == "--torchrun":  # tests/readme_blocks.py's `torchrun`: the form it can run, or torchrun itself
@@ -345,7 +405,7 @@ def main() -> int:
         nproc, port, script, args = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
     if nproc > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: before torch reads it
-    served = ask_server(nproc, port, script, args)
+    served = ask_server(nproc, port, script, args, orig_argv=[*python, script, *args])
     if served is not None and served < 0:  # the script's process was killed by a signal: so is this one
         signal.signal(-served, signal.SIG_DFL)
         os.kill(os.getpid(), -served)
@@ -389,10 +449,11 @@ def comparable(env: dict[str, str], added: dict[str, str] | None = None) -> dict
 
 
 def ask_server(nproc: int, port: str, script: str, args: list[str], fds: tuple[int, ...] = (),
-               flags: list[str] | None = None) -> int | None:
+               flags: list[str] | None = None, orig_argv: list[str] | None = None) -> int | None:
     """The job's exit status, run by the session's server; None where there is none or its environment differs.
     `fds`: descriptors beyond stdin, stdout and stderr that the job has at the same numbers (SPAWNED's pipes);
-    `flags`: the interpreter flags the job must start with (SPAWNED's), None for any: a fork has the server's."""
+    `flags`: the interpreter flags the job must start with (SPAWNED's), None for any: a fork has the server's;
+    `orig_argv`: a `python` job's command line (run_ranks)."""
     path = os.environ.get(SERVER)
     try:
         server = json.loads(Path(f"{path}.env").read_text()) if path else None
@@ -408,7 +469,8 @@ def ask_server(nproc: int, port: str, script: str, args: list[str], fds: tuple[i
     except OSError:
         return None
     request = {"nproc": nproc, "port": port, "script": script, "args": args, "cwd": os.getcwd(),
-               "env": dict(os.environ), "ignored": ignored_signals(), "fds": [0, 1, 2, *fds]}
+               "env": dict(os.environ), "ignored": ignored_signals(), "fds": [0, 1, 2, *fds], "orig_argv": orig_argv,
+               "place": leads()}
     socket.send_fds(conn, [json.dumps(request).encode()], request["fds"])
     reply = conn.recv(16)  # the leader's, once every rank has ended; nothing if the leader died
     return int(reply) if reply else 1
@@ -434,7 +496,7 @@ def lead(conn: socket.socket, request: dict, fds: list[int]) -> None:
     # survivor check (tour._job_members) finds them by it, and `pytest --cpu-profile` finds its owner so.
     ctypes.CDLL(None).prctl(15, tag[-15:].encode(), 0, 0, 0)  # PR_SET_NAME
     code = run_ranks(request["nproc"], request["port"], request["script"], request["args"], client=conn,
-                     ignored=request["ignored"])
+                     ignored=request["ignored"], orig_argv=request["orig_argv"], place=request["place"])
     sys.stdout.flush()
     sys.stderr.flush()
     with contextlib.suppress(OSError):

@@ -178,14 +178,17 @@ def server_of(folder: Path) -> int | None:
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_the_server_ends_with_its_session_however_the_session_ends(tmp_path, how):
-    """A stand-in for a test session (a process that starts a server as conftest does, then waits) is ended by
+    """A stand-in for a test session (a process that starts a server as conftest does, then waits), with a served
+    2-rank job running (its ranks wait for ever, each in a session of its own, as torchrun's workers), is ended by
     SIGTERM (what `timeout` and CI limits send; Python then runs no `finally`) or SIGKILL. Its server, which looks
     for its session every second, must be gone within that second plus its own start-up, timed in the same run (the
-    server's import of torch: a margin for a loaded machine)."""
+    server's import of torch: a margin for a loaded machine); and the ranks with it (out of its process group, they
+    die with their leader)."""
     import subprocess
     start = time.monotonic()
     session = subprocess.Popen([sys.executable, "-c", SESSION, str(tmp_path), str(Path(__file__).parent)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=harness.clean_env())
+    job, ranks = None, []
     try:
         assert session.stdout.readline() == b"started\n"
         ready = tmp_path / "socket.env"
@@ -195,17 +198,33 @@ def test_the_server_ends_with_its_session_however_the_session_ends(tmp_path, how
             time.sleep(0.01)
         startup, server = time.monotonic() - start, server_of(tmp_path)
         assert ready.exists() and server is not None, "the stand-in session's server never started"
+        from tour import free_port
+        job = subprocess.Popen([sys.executable, str(FORKRUN), "2", str(free_port()), str(script(tmp_path, """\
+            sys.stdout.write(f"leads {os.getsid(0) == os.getpid()}\\n")
+            sys.stdout.flush()
+            time.sleep(600)
+            """))], stdout=subprocess.PIPE, text=True, start_new_session=True,
+            env={**harness.clean_env(), forkrun.SERVER: str(tmp_path / "socket"), **ONE_THREAD})
+        lines = [job.stdout.readline() for _ in range(4)]  # each rank's two, in any order
+        ranks.extend(int(line.split(" pid ")[1].split()[0]) for line in lines if "served True" in line)
+        assert len(ranks) == 2 and lines.count("leads True\n") == 2, lines  # each leads a session of its own
         session.send_signal(how)
         session.wait()
         killed = time.monotonic()
-        while alive(server) and time.monotonic() < killed + 1.0 + startup:
+        while any(alive(pid) for pid in [server, *ranks]) and time.monotonic() < killed + 1.0 + startup:
             time.sleep(0.02)
-        assert not alive(server), f"the server outlived its session by {time.monotonic() - killed:.1f} s " \
-                                  f"(bound: 1 s + its start-up {startup:.1f} s)"
+        left = [pid for pid in [server, *ranks] if alive(pid)]
+        assert not left, f"{left} (server {server}, ranks {ranks}) outlived the session by " \
+                         f"{time.monotonic() - killed:.1f} s (bound: 1 s + the server's start-up {startup:.1f} s)"
     finally:
         session.kill()
         if (left := server_of(tmp_path)) is not None:
             os.killpg(left, signal.SIGKILL)
+        if job is not None:
+            job.kill()
+            job.wait()
+        for pid in filter(alive, ranks):  # where the check failed: none left behind
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_the_readme_torchrun_forks_its_one_form_and_hands_the_others_to_torchrun(tmp_path):
@@ -259,13 +278,18 @@ def test_the_readme_shims_run_a_scripts_first_launch_through_the_real_launcher(t
     assert run.returncode == 0 and "served True" in run.stdout, run.describe()
 
 
-# What a rank sees as it starts, written to OUT/rank{RANK}.json: the fields a forked rank must share with a real one.
+# What a rank sees as it starts, written to OUT/rank{RANK}.json: the fields a forked rank must share with a real one;
+# and what each process must draw for itself (DRAWN).
 SEES = textwrap.dedent("""\
     import faulthandler, json, os, signal, sys, warnings
     import torch
     fresh = sorted(sys.modules)  # what `import torch` loads: every script's first import
+    threads = len(os.listdir("/proc/self/task"))  # live threads as the script starts
+    import random
+    import numpy
     import torch.distributed as dist
     main = sys.modules["__main__"]
+    parent = os.getppid()
     seen = {
         "env": dict(os.environ), "path0": sys.path[0], "file": __file__, "name": __name__, "cwd": os.getcwd(),
         "argv": sys.argv, "main": [main.__name__, main.__file__, main.__package__, main.__spec__, main.__cached__,
@@ -275,7 +299,12 @@ SEES = textwrap.dedent("""\
         "signals": {name: str(signal.getsignal(getattr(signal, name)))
                     for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGPIPE", "SIGCHLD", "SIGUSR1")},
         "faulthandler": faulthandler.is_enabled(), "warnings": [str(f) for f in warnings.filters],
-        "flags": list(sys.flags), "hash": hash("forkrun"), "modules": fresh}
+        "flags": list(sys.flags), "hash": hash("forkrun"), "modules": fresh, "orig_argv": sys.orig_argv,
+        "threads": [threads, torch.get_num_threads()], "torch": torch.initial_seed(),
+        # where it stands: a session's leader, a group's, in its parent's session, in its parent's group
+        "session": [os.getsid(0) == os.getpid(), os.getpgrp() == os.getpid(), os.getsid(0) == os.getsid(parent),
+                    os.getpgrp() == os.getpgid(parent)],
+        "random": random.random(), "numpy": numpy.random.random()}
     if "RANK" in os.environ:  # the job's store: the agent's under torchrun, the ranks meet through it
         dist.init_process_group("gloo")
         dist.barrier()
@@ -287,6 +316,10 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 # Values each job draws for itself: its port, its run id (and the error files named after it), the harness's tag;
 # and pytest's name of the test that starts it.
 OWN = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "DDP_TUTORIAL_JOB", "PYTEST_CURRENT_TEST"}
+# What each process draws for itself as it starts: the hash seed (a fork's is the server's), torch's seed (torch
+# 2.13 draws one from the OS as it is imported), Python's and numpy's first random numbers. Not compared field by
+# field: the caller checks that they differ from process to process.
+DRAWN = ("hash", "torch", "random", "numpy")
 
 
 def error_file_form(env: dict[str, str]) -> str:
@@ -298,9 +331,10 @@ def error_file_form(env: dict[str, str]) -> str:
 
 def differences(real: dict, forked: dict, server: dict) -> list[str]:
     """How a forked rank's start differs from a real one's, beyond the two differences a fork must have (the hash
-    seed, compared across ranks by the caller, and the server's modules, which must include the fresh process's)."""
+    seed, and the server's modules, which must include the fresh process's). What each process draws (DRAWN) is
+    compared across processes by the caller."""
     found = [f"{key}: {real[key]!r} under the real launcher, {forked[key]!r} forked" for key in real
-             if key not in ("env", "hash", "modules") and real[key] != forked.get(key)]
+             if key not in ("env", "modules", *DRAWN) and real[key] != forked.get(key)]
     env_r, env_f = real["env"], forked["env"]
     added = {k for k, v in server["added"].items() if env_f.get(k) == v and k not in env_r}  # torch set it there
     for key in sorted({*env_r, *env_f} - OWN - added):
@@ -356,18 +390,27 @@ def starts(sees_script) -> dict[str, list[dict]]:
 
 
 def test_a_forked_rank_starts_as_a_real_one(starts):
-    """Field by field (environment, sys.path[0], __file__, argv, __main__, the streams' buffering, signal handlers,
-    warnings filters, flags, the modules): a forked rank and a rank of torchrun itself, and a forked `python script`
-    and Python itself. What a fork cannot give is said and checked: the real ranks draw their own hash seeds, the
-    forked ones share the server's."""
+    """Field by field (environment, sys.path[0], __file__, argv and sys.orig_argv, __main__, the streams' buffering,
+    signal handlers, warnings filters, flags, the modules, the live threads and torch's, the session and process
+    group it leads or shares with its parent): a forked rank and a rank of torchrun itself, and a forked `python
+    script` and Python itself. Each process, forked or not, draws its own seed of torch's and first numbers of
+    Python's random and numpy's (torch's and numpy's generators were seeded as the server imported them: a fork copies
+    them). What a fork cannot give is said and checked: the real ranks draw their own hash seeds, every forked rank
+    has the server's, in every launch."""
     server = server_record()
     for name, ranks in (("torchrun", 2), ("python", 1)):
         real, fork = starts[f"{name} real"], starts[f"{name} forked"]
         assert len(real) == len(fork) == ranks, (name, len(real), len(fork))
         for r, f in zip(real, fork, strict=True):
             assert not (found := differences(r, f, server)), f"{name}, rank {r['env'].get('RANK', '-')}: {found}"
+    reals = starts["torchrun real"] + starts["python real"]
+    forks = starts["torchrun forked"] + starts["python forked"]  # two launches
+    for key in ("torch", "random", "numpy"):
+        assert len({s[key] for s in reals}) == len({s[key] for s in forks}) == 3, (key, reals, forks)
+    # The fork's one difference: one hash seed for every forked rank of every launch (set orders of strings alike).
+    assert len({s["hash"] for s in reals}) == 3 and len({s["hash"] for s in forks}) == 1, (reals, forks)
     real, fork = starts["torchrun real"], starts["torchrun forked"]
-    assert real[0]["hash"] != real[1]["hash"] and fork[0]["hash"] == fork[1]["hash"]  # the fork's one difference
+    assert real[0]["session"] == [True, True, False, False]  # torchrun's worker leads a session of its own
     assert real[0]["env"]["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the ranks met through the launcher's store
     assert (real[0]["signals"]["SIGHUP"], starts["python real"][0]["signals"]["SIGHUP"]) == ("0", "1")  # nohup's
 
@@ -392,7 +435,8 @@ def test_the_comparison_sees_a_planted_difference(starts, sees_script, tmp_path)
     server, real = server_record(), starts["torchrun real"][0]
     found = differences(real, sees(run, out)[0], server)
     assert len(found) == 1 and found[0].startswith("$TORCHELASTIC_SIGNALS_TO_HANDLE"), found
-    for key in ("path0", "file", "argv", "main", "streams", "signals", "warnings", "flags"):
+    for key in ("path0", "file", "argv", "main", "streams", "signals", "warnings", "flags", "orig_argv", "threads",
+                "session"):
         assert differences(real, {**real, key: "changed"}, server), key
     assert differences(real, {**real, "env": {**real["env"], "LOCAL_RANK": "7"}}, server)
     assert differences(real, {**real, "modules": real["modules"][1:]}, server)
