@@ -560,3 +560,36 @@ def test_no_script_uses_a_module_only_the_server_imported(starts, tmp_path):
     real_run = run_job([[sys.executable, str(planted)]], env=ONE_THREAD, timeout=60)
     assert forked_run.returncode == 0 and "fully_shard" in forked_run.stdout, forked_run.describe()
     assert real_run.returncode == 1 and "AttributeError" in real_run.stderr, real_run.describe()
+
+
+# What a run measures of the machine rather than computes: left out when a forked run is compared with a real one.
+MEASURED = ("seconds", "train_seconds", "tokens_per_s", "mfu", "peak_flops", "peak", "memory")
+
+
+def trained(summary: dict) -> dict:
+    """A summary's numbers that training computes: all but MEASURED, and each curve point without its tokens/s
+    ([step, train loss, held-out loss, tokens/s])."""
+    kept = {k: v for k, v in summary.items() if k not in MEASURED}
+    return {**kept, "curve": [point[:3] for point in summary["curve"]]}
+
+
+def test_a_forked_stage_14_run_trains_as_torchruns_does(tmp_path):
+    """Stage 14 with its experts over ep 2 (2 ranks: all-to-alls, the experts' own groups, a balancing loss), 3 steps
+    in float64, under torchrun itself and forked: the same training bit for bit (the summary's losses, gradient
+    norms, held-out loss, each expert's load and balancing losses; its timings apart) and the same weights. The
+    comparison is sharp: one loss one ulp away is told apart."""
+    import math
+    step = harness.Step("14_experts", "torchrun", ("--ep", "2", "--max-steps", "3", "--eval-every", "3",
+                                                   "--sample", "0", "--dtype", "float64"), nproc=2)
+    runs = {}
+    for how, programs in (("real", 3), ("forked", 2)):  # torchrun's agent and 2 ranks; 2 ranks
+        out = tmp_path / how
+        cmds = forked(step.commands(out)) if how == "forked" else step.commands(out)
+        assert (cmds[0][1] == str(FORKRUN)) == (how == "forked"), cmds
+        runs[how] = harness.check(run_job(cmds, out, ONE_THREAD, timeout=harness.time_limit(programs=programs)))
+    real, fork = (trained(runs[how].summary) for how in ("real", "forked"))
+    assert {"losses", "grad_norms", "eval_loss", "experts"} <= real.keys() and real["experts"]["load"], real
+    assert real == fork, {k: (real[k], fork.get(k)) for k in real if real[k] != fork.get(k)}
+    assert harness.max_abs_diff(runs["real"].model, runs["forked"].model) == 0.0
+    nudged = {**fork, "losses": [math.nextafter(fork["losses"][0], math.inf), *fork["losses"][1:]]}
+    assert nudged != real
