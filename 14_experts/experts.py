@@ -16,9 +16,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 # What every trainer of experts does (Switch Transformer, GShard, Mixtral, DeepSeek): the router, a linear layer, scores
 # the E experts for each token; the token goes to its k best, and its output is the sum of their outputs weighted by
-# the router's probabilities (the gates, renormalised over the k). A token then costs k experts' compute, while the
-# model holds E experts' weights: more parameters for the same compute per token. Left alone, the router sends most
-# tokens to a few experts (they learn fastest, so they win more tokens); the balancing loss (Switch's) pushes back.
+# the router's probabilities (the gates: renormalised over the k, or at k = 1 the probability itself). A token then
+# costs k experts' compute, while the model holds E experts' weights: more parameters for the same compute per token.
+# Left alone, the router sends most tokens to a few experts (they learn fastest, so they win more tokens); the
+# balancing loss (Switch's) pushes back.
 
 
 def balance_loss(probs: torch.Tensor, chosen: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -187,7 +188,10 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # [tokens, width]: every token routed on its own
         probs = self.router(x).softmax(-1)  # [tokens, E]
         gates, chosen = probs.topk(self.top_k, dim=-1)  # [tokens, k]: each token's k experts, best first
-        gates = gates / gates.sum(-1, keepdim=True)  # its output: the experts' outputs weighted by these
+        if self.top_k > 1:  # its output: the experts' outputs weighted by these, renormalised to sum to 1 (Mixtral)
+            gates = gates / gates.sum(-1, keepdim=True)
+        # At k = 1 the gate stays the router's probability (Switch): renormalised, it would be 1 whatever the router
+        # says, and the router would learn from the balancing loss alone, never from the loss.
         # The (token, choice) pairs sorted by expert: each expert's rows then lie together.
         expert_of = chosen.flatten()
         order = expert_of.argsort(stable=True)  # within an expert, in the tokens' order
@@ -283,8 +287,10 @@ def describe_experts(args: argparse.Namespace, cfg, ep: ExpertParallel, split: b
                        "(--capacity-factor)")
     capacity = "dropless: every token reaches its experts" if not args.capacity_factor else \
         f"capacity {args.capacity_factor:g} x an expert's even share of a rank's tokens, the rest skip it"
+    # At k = 1 the gate is the router's probability (Switch), said because k > 1 renormalises the gates (MoE.forward).
+    gate = ", weighted by the router's probability (k = 1: not renormalised, as Switch)" if cfg.top_k == 1 else ""
     mine = cfg.experts // ep.size
-    return (f"experts: {cfg.experts} per block, each token to {cfg.top_k} | ep {ep.size}: {mine} "
+    return (f"experts: {cfg.experts} per block, each token to {cfg.top_k}{gate} | ep {ep.size}: {mine} "
             f"expert{'s' if mine > 1 else ''} a rank | balancing loss x {args.aux_weight:g}, its load counted over "
             f"{'the whole micro-batch' if args.balance == 'batch' else 'each rank'} | {capacity}"
             + (" | this run trains differently from one process: " + "; ".join(differs) if differs else ""))
