@@ -147,6 +147,8 @@ SHOWN = [
           'python recipes/sync_batchnorm/train.py --device cpu 2>&1 || echo "exit status $?"'),
     Shown("recipes/sync_batchnorm/README.md", "[recipes/sync_batchnorm] world size 2",
           "python recipes/sync_batchnorm/train.py --batchnorm local --device cpu --batch-size 8 --epochs 2"),
+    Shown("11_gpt/README.md", "[11_gpt] world size 4 = dp 2 x tp 2",
+          "torchrun --standalone --nproc_per_node=4 11_gpt/train.py --parallel fsdp --tp 2 --max-steps 2"),
     Shown("12_context_parallel/README.md", "[12_context_parallel] world size 2 = dp 1 x cp 2",
           "torchrun --standalone --nproc_per_node=2 12_context_parallel/train.py --cp 2",
           machine=GPT_MACHINE, rel=F32_GPT),
