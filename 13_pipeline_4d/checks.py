@@ -1,6 +1,7 @@
-"""What only the tour and the tests need, the same file in every GPT stage (tests/test_repo.py checks it): flag values
-refused in one line, and checkpoint directories checked before a rank joins the group. Leave it out of your own
-project: train.py calls what it needs from here as `checks.`; reports.py holds the run's numbers and files."""
+"""Bad input refused before training: this stage's flag values in one line (exit 2), and a checkpoint directory checked
+before a rank joins the group; and the names of a checkpoint's files. train.py calls it as `checks.` (its parser, the
+checkpoints' names); below the boundary, the machinery every stage shares (tests/test_repo.py checks it). reports.py
+holds the run's numbers and files."""
 from __future__ import annotations
 
 import argparse

@@ -593,6 +593,8 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
                               ("--epochs", "5,x"): "--epochs", ("--seeds", "0"): "--seeds",
                               ("--batch-size", "0"): "--batch-size", ("--lr", "nan"): "--lr",
                               ("--out", "{file}/sub"): "--out"},
+    "benchmarks/moe_quality": {("--quick=1",): "--quick", ("--out", "{file}/sub"): "--out",
+                               ("--timeout", "0"): "--timeout"},
     "benchmarks/moe_traffic": {("--quick=1",): "--quick", ("--steps", "1"): "--steps",
                                ("--dtype", "bfloat16"): "--dtype", ("--out", "{file}/sub"): "--out",
                                ("--timeout", "0"): "--timeout"},
