@@ -61,7 +61,7 @@ RECIPES = sorted(f"recipes/{p.parent.name}" for p in ROOT.glob("recipes/*/train.
 __all__ = ["ROOT", "FOLDER_STAGES", "RECIPES", "STAGES", "TORCHRUN", "Fault", "Job", "Run", "Step",
            "assert_same_training", "check", "clean_env", "forked_ranks", "free_port", "gradient_bytes", "group_of_one",
            "launch", "launch_commands", "load_copy", "load_run", "load_stage", "max_abs_diff", "max_gap", "mutate",
-           "mutated", "plan", "replay_error", "restore_state", "run_chains",
+           "mutated", "plan", "programs", "replay_error", "restore_state", "run_chains",
            "run_command", "run_job", "run_slurm_command", "selected", "slurm_missing", "state_gap", "tolerance",
            "with_args", "with_batch", "workers"]
 
@@ -130,15 +130,27 @@ def forkrun_server(folder: Path) -> Iterator[Path]:
             server.wait()
 
 
-def launch(step: Step, out: Path | None = None, script: Path | None = None, timeout: float = 120.0,
+def programs(step: Step) -> int:
+    """The processes a launch of `step` starts (time_limit's `programs`): on each node torchrun's agent and its
+    workers; a `python script`, and the processes it starts with mp.spawn (--world-size)."""
+    if step.launcher == "python":
+        return 1 + (int(step.args[step.args.index("--world-size") + 1]) if "--world-size" in step.args else 0)
+    return step.nnodes * (1 + step.nproc)
+
+
+def launch(step: Step, out: Path | None = None, script: Path | None = None, timeout: float | None = None,
            env: dict[str, str] | None = None, during: Callable[[Job], None] | None = None) -> Run:
-    """Run `step` (or a modified copy of its script); fail the test if it outlives `timeout`."""
-    return launch_commands(step.commands(out, script), out, {**step.env, **(env or {})}, timeout, during)
+    """Run `step` (or a modified copy of its script); fail the test if it outlives `timeout` (by default the time
+    limit of its processes: time_limit(programs(step)))."""
+    timeout = time_limit(programs=programs(step)) if timeout is None else timeout
+    return launch_commands(step.commands(out, script), out, {**step.env, **(env or {})}, timeout=timeout,
+                           during=during)
 
 
-def launch_commands(cmds: list[list[str]], out: Path | None = None, env: dict[str, str] | None = None,
-                    timeout: float = 120.0, during: Callable[[Job], None] | None = None) -> Run:
-    """Run one command per node; fail the test if the job outlives `timeout` (it is killed, workers too)."""
+def launch_commands(cmds: list[list[str]], out: Path | None = None, env: dict[str, str] | None = None, *,
+                    timeout: float, during: Callable[[Job], None] | None = None) -> Run:
+    """Run one command per node; fail the test if the job outlives `timeout` (it is killed, workers too): a
+    time_limit() of what the commands start and wait for."""
     if during is None:
         cmds, env = served(cmds, env)
     run = run_job(cmds, out, env, timeout, during=during)
@@ -286,14 +298,16 @@ def load_copy(path: Path) -> ModuleType:
     return import_script(path, f"copy_{path.parent.name}_{abs(hash(path))}")
 
 
-def forked_ranks(module: str, worker: str, world: int, out: Path, timeout: float = 120.0) -> list[dict]:
+def forked_ranks(module: str, worker: str, world: int, out: Path, timeout: float | None = None) -> list[dict]:
     """What each rank of a small in-process job found: tests/`module`.py's `worker(rank, world, store, out)` on `world`
     ranks, forked from one fresh interpreter (torch imported once; gloo over a FileStore in `out`: no port), each
-    writing `out`/rank{R}.json. The job is a launch of its own, under the suite's time limit and survivor check."""
+    writing `out`/rank{R}.json. The job is a launch of its own, under the suite's time limit (by default that of the
+    interpreter and its ranks) and survivor check."""
     code = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import torch.multiprocessing as mp; "
             f"import {module} as t; mp.start_processes(t.{worker}, args=({world}, {str(out / 'store')!r}, "
             f"{str(out)!r}), nprocs={world}, start_method='fork')")
-    check(launch_commands([[sys.executable, "-c", code]], out, timeout=timeout))
+    check(launch_commands([[sys.executable, "-c", code]], out,
+                          timeout=time_limit(programs=1 + world) if timeout is None else timeout))
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
@@ -365,7 +379,7 @@ def run_chains(chains: dict[str, list[Step]], tmp: Path, names: dict[str, list[s
 
     def run_chain(chain: str) -> list[Run]:
         return [check(launch(s, out=tmp / names.get(chain, [chain])[i], script=scripts.get(chain),
-                             timeout=time_limit(programs=s.nproc * weights.get(chain, 1))))
+                             timeout=time_limit(programs=programs(s) * weights.get(chain, 1))))
                 for i, s in enumerate(chains[chain])]
 
     with ThreadPoolExecutor(max_workers=2) as pool:

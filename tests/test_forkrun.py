@@ -21,7 +21,7 @@ import pytest
 import forkrun
 import harness
 import readme_blocks
-from harness import FORKRUN, Job, forked, run_job
+from harness import FORKRUN, Job, forked, run_job, time_limit
 
 # What the script's process says about itself: its parent's command line tells who started it.
 REPORT = textwrap.dedent("""\
@@ -69,7 +69,7 @@ def test_python_launch_is_served_with_its_output_arguments_and_exit_status(tmp_p
     assert env == {"OMP_NUM_THREADS": "1"}, env  # the server's thread count, where the test sets none
     assert harness.served([cmd], {"OMP_NUM_THREADS": "2"})[1] == {"OMP_NUM_THREADS": "2"}  # a test's own stays
     assert harness.served([["bash", "-c", "true"]], None) == ([["bash", "-c", "true"]], None)  # not forked: as it is
-    run = harness.launch_commands([cmd], timeout=60)
+    run = harness.launch_commands([cmd], timeout=time_limit(1))
     assert run.returncode == 3 and not run.survivors, run.describe()
     assert "rank - of - pid" in run.stdout and "served True agent False args ['--flag', 'x']" in run.stdout, \
         run.describe()
@@ -78,7 +78,8 @@ def test_python_launch_is_served_with_its_output_arguments_and_exit_status(tmp_p
 
 def test_torchrun_job_is_served_with_torchruns_ranks(tmp_path):
     path = script(tmp_path)
-    run = run_job(forked([[*harness.TORCHRUN, "--standalone", "--nproc_per_node=3", str(path), "a"]]), timeout=60)
+    run = run_job(forked([[*harness.TORCHRUN, "--standalone", "--nproc_per_node=3", str(path), "a"]]),
+                  timeout=time_limit(3))
     assert run.returncode == 0 and not run.survivors, run.describe()
     lines = sorted(line for line in run.stdout.splitlines() if line.startswith("rank "))
     assert [line.split(" pid ")[0] for line in lines] == ["rank 0 of 3", "rank 1 of 3", "rank 2 of 3"], run.describe()
@@ -87,7 +88,8 @@ def test_torchrun_job_is_served_with_torchruns_ranks(tmp_path):
 
 def test_a_launch_whose_environment_torch_would_read_otherwise_is_not_served(tmp_path):
     """TORCH_LOGS is read as torch is imported: the server imported it without, so the launch starts its own."""
-    run = run_job(forked([[sys.executable, str(script(tmp_path))]]), env={"TORCH_LOGS": "dynamo"}, timeout=60)
+    run = run_job(forked([[sys.executable, str(script(tmp_path))]]), env={"TORCH_LOGS": "dynamo"},
+                  timeout=time_limit(1))
     assert run.returncode == 0 and "served False" in run.stdout, run.describe()
 
 
@@ -97,7 +99,7 @@ def test_a_failing_rank_stops_the_others_and_the_job_fails(tmp_path):
             sys.exit("rank 1 gives up")
         time.sleep(600)
         """)
-    run = run_job(forked([[*harness.TORCHRUN, "--standalone", "--nproc_per_node=2", str(path)]]), timeout=120)
+    run = run_job(forked([[*harness.TORCHRUN, "--standalone", "--nproc_per_node=2", str(path)]]), timeout=time_limit(2))
     assert run.returncode == 1 and "rank 1 gives up" in run.stderr and not run.survivors, run.describe()
 
 
@@ -117,7 +119,7 @@ def test_a_killed_launch_takes_its_ranks_with_it(tmp_path):
                 return
             time.sleep(0.02)
 
-    run = run_job(forked([[*harness.TORCHRUN, "--standalone", "--nproc_per_node=2", str(path)]]), timeout=120,
+    run = run_job(forked([[*harness.TORCHRUN, "--standalone", "--nproc_per_node=2", str(path)]]), timeout=time_limit(2),
                   during=kill_the_launch)
     assert run.returncode == -signal.SIGKILL and len(ranks) == 2, run.describe()
     for _ in range(1000):  # the leader looks every 0.05 s; 1000 looks of 0.05 s: a hang guard, not a time bound
@@ -141,7 +143,7 @@ def test_a_process_a_served_rank_leaves_behind_is_found_and_killed(tmp_path):
         sys.stdout.write(f"left {child}\\n")
         sys.stdout.flush()
         """)
-    run = run_job(forked([[*harness.TORCHRUN, "--standalone", "--nproc_per_node=2", str(path)]]), timeout=60)
+    run = run_job(forked([[*harness.TORCHRUN, "--standalone", "--nproc_per_node=2", str(path)]]), timeout=time_limit(2))
     left = sorted(int(line.split()[1]) for line in run.stdout.splitlines() if line.startswith("left "))
     assert run.returncode == 0 and "served True" in run.stdout and len(left) == 2, run.describe()
     assert sorted(run.survivors) == left, run.describe()
@@ -230,9 +232,9 @@ def test_the_server_ends_with_its_session_however_the_session_ends(tmp_path, how
 def test_the_readme_torchrun_forks_its_one_form_and_hands_the_others_to_torchrun(tmp_path):
     path = str(script(tmp_path))
     ours = run_job([[sys.executable, str(FORKRUN), "--torchrun", "--standalone", "--nproc_per_node=2", path]],
-                   timeout=60)
+                   timeout=time_limit(2))
     theirs = run_job([[sys.executable, str(FORKRUN), "--torchrun", "--nproc_per_node=2", "--standalone", path]],
-                     timeout=120)
+                     timeout=time_limit(3))
     for run, served, agent in ((ours, True, False), (theirs, False, True)):
         assert run.returncode == 0 and not run.survivors, run.describe()
         assert run.stdout.count(f"served {served} agent {agent}") == 2, run.describe()
@@ -242,11 +244,11 @@ def test_the_readme_python_forks_a_script_and_hands_the_rest_to_python(tmp_path)
     path = script(tmp_path, "sys.exit(4)\n")
     shims = readme_blocks.launch_shims(tmp_path)
     env = {"PATH": f"{shims}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}  # as run_block sets
-    ours = run_job([["sh", "-c", f"python {path} a"]], env=env, timeout=60)
+    ours = run_job([["sh", "-c", f"python {path} a"]], env=env, timeout=time_limit(1))
     assert ours.returncode == 4 and "served True agent False args ['a']" in ours.stdout, ours.describe()
     for words, code, says in ((["-c", "import sys; print('torch' in sys.modules)"], 0, "False"),  # not imported here
                               ([str(tmp_path / "missing.py")], 2, "can't open file")):  # Python's own refusal
-        theirs = run_job([["sh", "-c", " ".join(["python", *map(shlex.quote, words)])]], env=env, timeout=60)
+        theirs = run_job([["sh", "-c", " ".join(["python", *map(shlex.quote, words)])]], env=env, timeout=time_limit(1))
         assert theirs.returncode == code and says in theirs.stdout + theirs.stderr, theirs.describe()
 
 
@@ -262,7 +264,7 @@ def test_the_readme_shims_run_a_scripts_first_launch_through_the_real_launcher(t
     forms = {"python": f"python {path} a", "torchrun": f"torchrun --standalone --nproc_per_node=2 {path} a"}
     for launcher, command in forms.items():
         for served in (False, True):
-            run = run_job([["sh", "-c", command]], env=env, timeout=120, cwd=tmp_path)
+            run = run_job([["sh", "-c", command]], env=env, timeout=time_limit(3), cwd=tmp_path)
             agent = launcher == "torchrun" and not served
             ranks = 2 if launcher == "torchrun" else 1
             assert run.returncode == 0 and run.stdout.count(f"served {served} agent {agent} args ['a']") == ranks, \
@@ -273,8 +275,8 @@ def test_the_readme_shims_run_a_scripts_first_launch_through_the_real_launcher(t
     before = tmp_path / "before"
     before.mkdir()
     (before / forkrun.real_once_name("python", "report.py")).write_text('"the tour"')
-    run = run_job([["sh", "-c", "python report.py"]], env={**env, forkrun.REAL_ONCE: str(before)}, timeout=60,
-                  cwd=tmp_path)
+    run = run_job([["sh", "-c", "python report.py"]], env={**env, forkrun.REAL_ONCE: str(before)},
+                  timeout=time_limit(1), cwd=tmp_path)
     assert run.returncode == 0 and "served True" in run.stdout, run.describe()
 
 
@@ -384,7 +386,7 @@ def starts(sees_script) -> dict[str, list[dict]]:
             # Under nohup (SIGHUP ignored, as CI run from a `nohup` shell had it): what the launch ignores, a program
             # it starts ignores too, but for the signals torchrun's agent handles. One intra-op thread, as the server
             # has and as torchrun gives its workers.
-            run = run_job([["nohup", *c] for c in cmds], env=ONE_THREAD, timeout=120)
+            run = run_job([["nohup", *c] for c in cmds], env=ONE_THREAD, timeout=time_limit(3))
             found[f"{name} {how}"] = sees(run, out)
     return found
 
@@ -431,7 +433,7 @@ def test_the_comparison_sees_a_planted_difference(starts, sees_script, tmp_path)
     path, out = sees_script
     from tour import free_port
     run = run_job([[sys.executable, str(copy), "2", str(free_port()), str(path), str(out)]], env=ONE_THREAD,
-                  timeout=120)
+                  timeout=time_limit(3))
     server, real = server_record(), starts["torchrun real"][0]
     found = differences(real, sees(run, out)[0], server)
     assert len(found) == 1 and found[0].startswith("$TORCHELASTIC_SIGNALS_TO_HANDLE"), found
@@ -473,7 +475,7 @@ def test_a_forked_mp_spawn_child_starts_as_a_real_one(sees_script, tmp_path):
     for how in ("real", "forked"):
         cmds = [[sys.executable, str(path), str(out)]]
         run = run_job([["nohup", *c] for c in (forked(cmds) if how == "forked" else cmds)], env=ONE_THREAD,
-                      timeout=120)
+                      timeout=time_limit(3))
         assert run.returncode == 0 and not run.survivors and "queued [0, 1]" in run.stdout, run.describe()
         children[how] = [json.loads(p.read_text()) for p in sorted(out.glob("__mp_main__*.json"))]
         for p in out.glob("*.json"):
@@ -483,7 +485,7 @@ def test_a_forked_mp_spawn_child_starts_as_a_real_one(sees_script, tmp_path):
     for r, f in zip(children["real"], children["forked"], strict=True):
         assert r["name"] == "__mp_main__" and not (found := differences(r, f, server)), found
         assert "torch._dynamo" in f["modules"] and "torch._dynamo" not in r["modules"]  # forked, from the server
-    failing = run_job(forked([[sys.executable, str(path), str(out), "fail"]]), env=ONE_THREAD, timeout=120)
+    failing = run_job(forked([[sys.executable, str(path), str(out), "fail"]]), env=ONE_THREAD, timeout=time_limit(3))
     assert failing.returncode == 1 and "ValueError: planted in child 1" in failing.stderr, failing.describe()
     assert not failing.survivors, failing.describe()
 
@@ -496,7 +498,8 @@ def test_what_importing_torch_prints_reaches_each_rank(tmp_path):
     copy = own_copy(tmp_path, (line, line + "            print('torch says: planted', file=sys.stderr)\n"))
     path = script(tmp_path)
     from tour import free_port
-    run = run_job([[sys.executable, str(copy), "2", str(free_port()), str(path)]], env=ONE_THREAD, timeout=120)
+    run = run_job([[sys.executable, str(copy), "2", str(free_port()), str(path)]], env=ONE_THREAD,
+                  timeout=time_limit(3))
     assert run.returncode == 0 and run.stdout.count("served False") == 2, run.describe()
     assert run.stderr.count("torch says: planted") == 2, run.describe()
 
@@ -556,8 +559,8 @@ def test_no_script_uses_a_module_only_the_server_imported(starts, tmp_path):
     assert unimported(planted.read_text(), fresh, preloaded) == ["torch.distributed.fsdp (line 3)"]
     stage = (harness.ROOT / "04_ddp_torchrun" / "train.py").read_text()
     assert unimported(stage + "\ntorch.distributed.fsdp.fully_shard\n", fresh, preloaded)
-    forked_run = run_job(forked([[sys.executable, str(planted)]]), env=ONE_THREAD, timeout=60)
-    real_run = run_job([[sys.executable, str(planted)]], env=ONE_THREAD, timeout=60)
+    forked_run = run_job(forked([[sys.executable, str(planted)]]), env=ONE_THREAD, timeout=time_limit(1))
+    real_run = run_job([[sys.executable, str(planted)]], env=ONE_THREAD, timeout=time_limit(1))
     assert forked_run.returncode == 0 and "fully_shard" in forked_run.stdout, forked_run.describe()
     assert real_run.returncode == 1 and "AttributeError" in real_run.stderr, real_run.describe()
 
@@ -586,7 +589,7 @@ def test_a_forked_stage_14_run_trains_as_torchruns_does(tmp_path):
         out = tmp_path / how
         cmds = forked(step.commands(out)) if how == "forked" else step.commands(out)
         assert (cmds[0][1] == str(FORKRUN)) == (how == "forked"), cmds
-        runs[how] = harness.check(run_job(cmds, out, ONE_THREAD, timeout=harness.time_limit(programs=programs)))
+        runs[how] = harness.check(run_job(cmds, out, ONE_THREAD, timeout=time_limit(programs=programs)))
     real, fork = (trained(runs[how].summary) for how in ("real", "forked"))
     assert {"losses", "grad_norms", "eval_loss", "experts"} <= real.keys() and real["experts"]["load"], real
     assert real == fork, {k: (real[k], fork.get(k)) for k in real if real[k] != fork.get(k)}

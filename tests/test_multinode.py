@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CONFIGS
-from harness import ROOT, TORCHRUN, Run, assert_same_training, check, free_port, launch_commands
+from harness import ROOT, TORCHRUN, Run, assert_same_training, check, free_port, launch_commands, programs, time_limit
 
 STEP = CONFIGS["05"]  # the tour's 2-node job: --device cpu --batch-size 32, one process per node
 NODES = 2
@@ -45,7 +45,8 @@ def assert_same_job_as_stage_01(run: Run, runs) -> None:
 def test_c10d_rendezvous_on_localhost(runs, tmp_path):
     """Two terminals on one machine: the same command twice; the first to bind the endpoint hosts it."""
     node = rdzv_node(f"127.0.0.1:{free_port()}", f"local-{os.getpid()}-{tmp_path.name}", tmp_path)
-    assert_same_job_as_stage_01(check(launch_commands([node, node], tmp_path, ENV)), runs)
+    run = launch_commands([node, node], tmp_path, ENV, timeout=time_limit(programs=programs(STEP)))
+    assert_same_job_as_stage_01(check(run), runs)
 
 
 # --- two hosts: network namespaces -----------------------------------------------------------------
@@ -109,7 +110,8 @@ def test_c10d_rendezvous_across_two_hosts(runs, tmp_path, two_hosts):
     cmds = [first.run(rdzv_node(endpoint, run_id, tmp_path, "--rdzv_conf=is_host=1", f"--local_addr={first.addr}")),
             second.run(rdzv_node(endpoint, run_id, tmp_path, f"--local_addr={second.addr}"))]
     before = rx_bytes(first)
-    run = check(launch_commands(cmds, tmp_path, {**ENV, "GLOO_SOCKET_IFNAME": IFNAME}))
+    run = check(launch_commands(cmds, tmp_path, {**ENV, "GLOO_SOCKET_IFNAME": IFNAME},
+                                timeout=time_limit(programs=programs(STEP))))
     assert_same_job_as_stage_01(run, runs)
     # The gradients crossed the veth: every step, each rank's summed gradient depends on all of the
     # other rank's float32 values, so the first host must have received at least that many bytes.
