@@ -247,11 +247,15 @@ def test_every_rank_ran_its_messages_through_the_nccl_rules(launched):
 def test_sends_then_receives_in_turn_hang_under_nccls_rules(launched):
     """The negative control: the hop's send and receive posted apart, the send first, waits for ever on every rank
     (gloo alone would run it: a send there returns before it is received). So the batch in ring_hop is needed, and
-    the emulation was in the way of the ring's messages."""
+    the emulation was in the way of the ring's messages. Each rank fails once its group's timeout, HANG, has passed
+    (a hang, not a crash; its own clock). HANG is a configured wait, not a pace: a deadlock ends at any length, and
+    the launch's time limit counts it (waits=HANG)."""
     _, reports, _ = launched
     for report in reports:
         assert report["serial_hop"].startswith("failed") and "was never taken" in report["serial_hop"], \
             report["serial_hop"]
+        waited = float(report["serial_hop"].removeprefix("failed after ").split("s:", 1)[0])
+        assert waited >= HANG - 0.05, report["serial_hop"]  # printed to 0.1 s
 
 
 @pytest.fixture(scope="module")
