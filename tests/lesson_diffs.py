@@ -1,6 +1,6 @@
 """Each stage shows its train.py as a diff from the stage it extends, on a page of its own beside its README (DIFF.md),
 so a reader sees what changed without running `diff` while the README teaches (a GPT stage, a folder of files: the
-files it changes, each as a diff); ddp_by_hand's and zero_by_hand's READMEs show their scripts so (FILE_DIFFS).
+files it changes, each as a diff); ddp_by_hand's README and zero_by_hand's DIFF.md show their scripts so (FILE_DIFFS).
 test_repo.py, test_ddp_by_hand.py and test_zero_by_hand.py check that every such block is the diff of today's files;
 `python tests/lesson_diffs.py` writes them anew after a change.
 """
@@ -25,12 +25,12 @@ EXTENDS = {"02_dataparallel": "01_single_gpu", "03_ddp_spawn": "02_dataparallel"
 START, END = "<!-- diff from the stage it extends: written by tests/lesson_diffs.py -->", "<!-- /diff -->"
 # An empty block (a new README's placeholder) matches too, its group 1 None, as _file_diff_pattern's does.
 BLOCK = re.compile(re.escape(START) + r"\n(?:(.*?)\n)??" + re.escape(END), re.S)
-# Other READMEs' diffs of two files, each block after the line `<!-- diff OLD NEW -->`: {README: [(OLD, NEW), ...]}
+# Other pages' diffs of two files, each block after the line `<!-- diff OLD NEW -->`: {page: [(OLD, NEW), ...]}
 FILE_DIFFS = {"ddp_by_hand/README.md": [("04_ddp_torchrun/train.py", "ddp_by_hand/naive.py"),
                                         ("ddp_by_hand/naive.py", "ddp_by_hand/bucketed.py")],
-              "zero_by_hand/README.md": [("ddp_by_hand/bucketed.py", "zero_by_hand/zero1.py"),
-                                         ("zero_by_hand/zero1.py", "zero_by_hand/zero2.py"),
-                                         ("zero_by_hand/zero2.py", "zero_by_hand/zero3.py")]}
+              # zero_by_hand's README shows its scripts' new code; zero3.py, a rewrite of zero2.py, is not diffed.
+              "zero_by_hand/DIFF.md": [("ddp_by_hand/bucketed.py", "zero_by_hand/zero1.py"),
+                                       ("zero_by_hand/zero1.py", "zero_by_hand/zero2.py")]}
 
 BOUNDARY = "# ═══ The lesson ends here"
 

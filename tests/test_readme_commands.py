@@ -24,6 +24,8 @@ import pytest
 
 from forkrun import real_once_name
 from harness import ROOT
+from page_blocks import Block as PageBlock
+from page_blocks import code_mismatch
 from readme_blocks import BLOCKS, COMMANDS, LIMITS, REAL_LAUNCHES, THROUGH_LAUNCHERS, TOURS, shimmed, why_skipped
 
 NOT_RUN = {  # the only reasons a command may be left out
@@ -52,7 +54,13 @@ def test_every_code_block_says_whether_it_is_commands_or_output():
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "python"], ids=lambda b: b.id)
 def test_code_excerpts_are_the_code(block):
     """A ```python block quotes the train.py beside its README, or in a GPT stage the files beside it, line by line
-    (comments and `...` elisions aside)."""
+    (comments and `...` elisions aside). One tagged `<!-- excerpt: PATH -->` is whole consecutive lines of PATH, as
+    on a page of your_model/ (page_blocks.code_mismatch): zero_by_hand/README.md quotes its scripts so."""
+    if "excerpt" in block.marker:
+        tagged = PageBlock(str(block.doc.relative_to(ROOT)), block.line, block.lang, block.body, "excerpt",
+                           block.marker["excerpt"])
+        assert not (why := code_mismatch(tagged)), f"{why}: paste the lines again"
+        return
     script = block.doc.parent / "train.py"
     assert script.exists(), f"{block.id}: a ```python block must quote {script.relative_to(ROOT)}"
     code = "".join(path.read_text() for path in block.doc.parent.glob("*.py"))

@@ -14,8 +14,12 @@ Claims, each with the control that shows it can fail:
   ZeroRedundancyOptimizer is DDP's and zero1 and zero2 HandDDP's to the bit, zero3 FSDP2's within sqrt(eps);
 - a shard stepped twice (zero1) and a reduce-scatter without the 1/W (zero2) fail the replay; a unit not gathered
   again for its backward (zero3) fails the job, naming the unit;
-- memory.py's quick run: what each rank keeps is within 5% of the formulas, and the traffic counted from outside is;
-- the README's diffs are today's files; the machinery below each lesson is checked in test_repo.py.
+- memory.py's quick run: every live tensor after a step (gc, each storage once) adds up to the formulas within 5%,
+  and so do the weights, the gradients and AdamW's .state apart (a whole gradient kept in a module-level list by
+  zero2 or zero3, and an AdamW over the whole bucket in zero1, each failed it once), and the traffic counted from
+  outside is; the README's full table is memory.py's from the committed memory.csv;
+- DIFF.md's diffs are today's files, the README quotes each script in tagged excerpts; the machinery below each
+  lesson is checked in test_repo.py.
 
 The runs are the README's commands (conftest.readme_run: run once, in the background); the W = 3 job and the planted
 bugs are forked launches.
@@ -33,6 +37,7 @@ import torch.nn.functional as F
 from conftest import readme_run
 from harness import ROOT, TORCHRUN, check, edited, forked_ranks, launch_commands, load_copy, replay_error, tolerance
 from lesson_diffs import FILE_DIFFS, file_diff, file_diff_block
+from readme_blocks import BLOCKS
 from tools.cli import read_csv
 
 HERE = ROOT / "zero_by_hand"
@@ -254,15 +259,29 @@ def test_a_unit_not_gathered_again_for_its_backward_fails_the_job_naming_it(tmp_
         run.describe()
 
 
+# ZeRO's formulas (Rajbhandari et al., table 1): bytes per weight on each rank with AdamW in float32, (weights,
+# gradients, AdamW's two moments), at W ranks. Written here, not read from memory.py: the test holds the paper's.
+KEPT = {"DDP": lambda w: (4, 4, 8), "ZeRO-1": lambda w: (4, 4, 8 / w), "ZeRO-2": lambda w: (4, 4 / w, 8 / w),
+        **{way: (lambda w: (4 / w, 4 / w, 8 / w)) for way in ("ZeRO-3", "FSDP2", "FSDP2-no-reshard")}}
+
+
 @pytest.mark.readme_run(MEMORY)
 def test_what_each_rank_keeps_and_sends_is_the_formulas(readme_runs):
+    """Every live tensor after a step is counted (gc, each storage once), so a whole gradient kept anywhere shows in
+    the total; AdamW's moments are read from its .state, so an AdamW over more than this rank's shard shows there."""
     run = readme_run(readme_runs, MEMORY)
     rows = read_csv(run.out / "memory.csv")
-    assert {(r["way"], int(r["W"])) for r in rows} == {(way, w) for way in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3",
-                                                                            "FSDP2", "FSDP2-no-reshard")
-                                                         for w in (2, 3)}
+    assert {(r["way"], int(r["W"])) for r in rows} == {(way, w) for way in KEPT for w in (2, 3)}
+    mib = 2**20
     for r in rows:
-        assert abs(float(r["ratio"]) - 1) <= 0.05, r  # kept between steps, counted from the live tensors
+        n, w = int(r["weights"]), int(r["W"])
+        parts = [b * n / mib for b in KEPT[r["way"]](w)]
+        assert abs(float(r["total_MiB"]) / sum(parts) - 1) <= 0.05, r  # every live tensor, against 16Ψ, 8Ψ + 8Ψ/W...
+        for kind, formula in zip(("weights", "grads", "state"), parts, strict=True):
+            assert abs(float(r[f"{kind}_MiB"]) / formula - 1) <= 0.05, (kind, r)
+        assert r["state_keys"] == "exp_avg exp_avg_sq step", r  # AdamW's own, one moment per element of its tensors
+        share = n if r["way"] == "DDP" else n / w  # rank 0's: the whole model under DDP, its shard otherwise
+        assert share <= int(r["moment_elements"]) <= 1.05 * share, r  # (the padding: FSDP2 pads rows, a bucket its end)
         assert abs(float(r["sent_MiB"]) / float(r["sent_formula_MiB"]) - 1) <= 0.05, r
     by = {(r["way"], int(r["W"])): r for r in rows}
     for w in (2, 3):  # the mapping question: FSDP2 without resharding after forward sends what ZeRO-2 sends
@@ -272,10 +291,22 @@ def test_what_each_rank_keeps_and_sends_is_the_formulas(readme_runs):
     assert (run.out / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_readme_shows_the_committed_memory_table():
+    """The full run's table in the README is what memory.py prints from the committed memory.csv."""
+    memory = load_copy(HERE / "memory.py")
+    assert memory.readme_table(HERE / "memory.csv") in (HERE / "README.md").read_text(), \
+        "run python zero_by_hand/memory.py and paste what it prints"
+
+
 # --- the files themselves -------------------------------------------------------------------------------------------
 
-def test_the_readme_shows_todays_diffs():
-    for old, new in FILE_DIFFS["zero_by_hand/README.md"]:
-        shown = file_diff_block("zero_by_hand/README.md", old, new)
-        assert shown, f"zero_by_hand/README.md lost its diff of {old} and {new}"
+def test_the_diff_page_shows_todays_diffs_and_the_readme_quotes_each_script():
+    """DIFF.md's diffs are today's; the README's code is excerpts of the three scripts, each tagged with its file
+    (test_readme_commands.test_code_excerpts_are_the_code checks that every one is whole lines of today's file)."""
+    for old, new in FILE_DIFFS["zero_by_hand/DIFF.md"]:
+        shown = file_diff_block("zero_by_hand/DIFF.md", old, new)
+        assert shown, f"zero_by_hand/DIFF.md lost its diff of {old} and {new}"
         assert shown.group(1) == file_diff(old, new), "an old diff: run python tests/lesson_diffs.py"
+    quoted = {b.marker.get("excerpt") for b in BLOCKS if b.doc == HERE / "README.md" and b.lang == "python"}
+    assert quoted == {f"zero_by_hand/{name}.py" for name in ("zero1", "zero2", "zero3")}, quoted
+    assert "](DIFF.md)" in (HERE / "README.md").read_text()

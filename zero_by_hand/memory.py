@@ -3,19 +3,24 @@
     python zero_by_hand/memory.py                    # the README's table: the 100 MB MLP of ddp_by_hand/overlap.py
     python zero_by_hand/memory.py --hidden 256 --layers 2 --world-sizes 2 --out runs/memory_quick
 
-For each W and each way, W ranks (forked, gloo, float32) train an MLP of --layers blocks (a square Linear of width
---hidden and a ReLU) and a Linear to 16 classes, with AdamW, for three steps on random data. Each block is a unit for
-zero3.py and for FSDP2 (`fully_shard`, with reshard_after_forward True and False); zero1.py and zero2.py bucket the
-gradients as DDP does (25 MiB, the first 1 MiB). DDP keeps its gradients in its buckets (gradient_as_bucket_view, as
-zero1.py does; without it DDP keeps them twice, once where gc cannot see them).
+For each W and each way, W ranks of their own (forked, gloo, float32) train an MLP of --layers blocks (a square Linear
+of width --hidden and a ReLU) and a Linear to 16 classes, with AdamW, for three steps on random data. Each block is a
+unit for zero3.py and for FSDP2 (`fully_shard`, with reshard_after_forward True and False); zero1.py and zero2.py
+bucket the gradients as DDP does (25 MiB, the first 1 MiB). DDP keeps its gradients in its buckets
+(gradient_as_bucket_view, as zero1.py does; without it DDP keeps them twice, once where gc cannot see them).
 
-Memory is counted from the tensors alive in rank 0's process (every tensor object Python's gc knows, each storage
-once), not from the process's size: after the third step, sorted into weights, gradients and AdamW's state (by
-which storages the model, the gradients and the optimizer hold), beside the formula (Ψ weights, 4 bytes each):
-DDP 16Ψ, ZeRO-1 8Ψ + 8Ψ/W, ZeRO-2 4Ψ + 12Ψ/W, ZeRO-3 and FSDP2 16Ψ/W. During the third step it is counted again at
-every Linear's forward and before its backward (hooks), and the largest total, less the total after the step, is
-the transient peak: the activations, and what lives only during a step (the whole gradients of ZeRO-2, ZeRO-3 and
-FSDP2 until they are reduce-scattered, the gathered units of ZeRO-3 and FSDP2).
+Memory is counted from the tensors alive in rank 0's process after the third step: every tensor object Python's gc
+knows, each storage once, not the process's size. The total is all of them; they are then sorted by what torch's own
+objects hold, not by what a script says it keeps: weights (the model's parameters and those AdamW steps), gradients
+(their .grad), AdamW's state (its `state`: exp_avg, exp_avg_sq and step per tensor it steps), and other (what none
+of them holds: a whole gradient a script kept somewhere would be there). Beside the total, the formula (Ψ weights, 4
+bytes each): DDP 16Ψ, ZeRO-1 8Ψ + 8Ψ/W, ZeRO-2 4Ψ + 12Ψ/W, ZeRO-3 and FSDP2 16Ψ/W. Each way runs in ranks of its
+own: a parameter's post-accumulate-grad hook that holds its wrapper is a cycle gc cannot free (zero1's HandDDP
+outlives gc.collect() with its hooks, not without them), so a way measured after another in one process would count
+the other's leftovers. During the third step memory is counted again at every Linear's forward and before its
+backward (hooks), and the largest total, less the total after the step, is the transient peak: the activations, and
+what lives only during a step (the whole gradients of ZeRO-2, ZeRO-3 and FSDP2 until they are reduce-scattered, the
+gathered units of ZeRO-3 and FSDP2).
 
 Traffic is counted from outside the scripts: torch.distributed's all_reduce, all_gather_single and
 reduce_scatter_single are wrapped in each rank (DDP's built-in all-reduce runs in C++, so DDP gets the comm hook
@@ -27,8 +32,10 @@ with reshard_after_forward, 2 without (the weights stay whole from forward to ba
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import inspect
+import io
 import sys
 from pathlib import Path
 
@@ -50,7 +57,17 @@ import zero1  # noqa: E402
 import zero2  # noqa: E402
 import zero3  # noqa: E402
 
-from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive, print_table, write_csv  # noqa: E402
+from tools.cli import (  # noqa: E402
+    ArgumentParser,
+    exit_worker,
+    free_port,
+    gloo_group,
+    list_of,
+    positive,
+    print_table,
+    read_csv,
+    write_csv,
+)
 
 WAYS = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2", "FSDP2-no-reshard")
 # Bytes per weight on each rank (float32, AdamW): (weights, gradients, AdamW's two moments), at W ranks.
@@ -59,8 +76,8 @@ FORMULA = {"DDP": lambda w: (4, 4, 8), "ZeRO-1": lambda w: (4, 4, 8 / w), "ZeRO-
 # Elements a rank sends per step, in Ψ(W - 1)/W.
 TRAFFIC = {"DDP": 2, "ZeRO-1": 3, "ZeRO-2": 2, "ZeRO-3": 3, "FSDP2": 3, "FSDP2-no-reshard": 2}
 MiB = 2**20
-COLUMNS = ["way", "W", "weights", "weights_MiB", "grads_MiB", "state_MiB", "total_MiB", "formula_MiB", "ratio",
-           "transient_MiB", "sent_MiB", "sent_formula_MiB"]
+COLUMNS = ["way", "W", "weights", "weights_MiB", "grads_MiB", "state_MiB", "other_MiB", "total_MiB", "formula_MiB",
+           "ratio", "moment_elements", "state_keys", "transient_MiB", "sent_MiB", "sent_formula_MiB"]
 
 
 def build(hidden: int, layers: int) -> nn.Sequential:
@@ -102,13 +119,18 @@ class Counted:
             setattr(dist, name, function)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `t`: a DTensor's local shard (its numel() is the whole tensor's), else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def storages(tensors) -> dict[int, int]:
     """{storage address: bytes} of `tensors` (a DTensor counts its local shard)."""
     found = {}
     for t in tensors:
         if t is None:
             continue
-        t = t.to_local() if isinstance(t, DTensor) else t
+        t = local(t)
         storage = t.untyped_storage()
         if storage.nbytes():
             found[storage.data_ptr()] = storage.nbytes()
@@ -123,33 +145,41 @@ def alive() -> dict[int, int]:
 
 
 def setup(way: str, net: nn.Sequential, lr: float):
-    """(model, optimizer, what holds the weights, the gradients and the state: each a function giving tensors)."""
+    """(model, the optimizer the loop calls, the torch.optim.AdamW inside it, whose .state holds the moments)."""
     units = list(net)
     if way == "DDP":
         model = DDP(net, gradient_as_bucket_view=True)  # .grad in DDP's buckets: otherwise both, and gc sees one
         model.register_comm_hook(None, allreduce_hook)  # DDP's all-reduce, in Python: the wrapper counts it
         optimizer = torch.optim.AdamW(net.parameters(), lr=lr)
-        return model, optimizer, net.parameters, lambda: [p.grad for p in net.parameters()], optimizer
+        return model, optimizer, optimizer
     if way.startswith("FSDP2"):
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # the default would be cuda where a GPU is visible
         for unit in units:
             fully_shard(unit, mesh=mesh, reshard_after_forward=way == "FSDP2")
         fully_shard(net, mesh=mesh, reshard_after_forward=way == "FSDP2")
         optimizer = torch.optim.AdamW(net.parameters(), lr=lr)
-        return net, optimizer, net.parameters, lambda: [p.grad for p in net.parameters()], optimizer
+        return net, optimizer, optimizer
     script = {"ZeRO-1": zero1, "ZeRO-2": zero2, "ZeRO-3": zero3}[way]
     model = script.HandFSDP(net, units) if way == "ZeRO-3" else script.HandDDP(net)
     optimizer = script.ShardedOptimizer(model, torch.optim.AdamW, lr=lr)
-    grads = {"ZeRO-1": lambda: model.flat_grads,
-             "ZeRO-2": lambda: [*model.grad_shards, *model.flat_grads]}.get(way, lambda: [
-                 *(s.grad for s in optimizer.shards), *model.flat_grads])
-    weights = (lambda: [*optimizer.shards, *model.flat_params]) if way == "ZeRO-3" else lambda: model.flat_params
-    return model, optimizer, weights, grads, optimizer.optimizer
+    return model, optimizer, optimizer.optimizer
+
+
+def held(net: nn.Module, adamw: torch.optim.Optimizer) -> tuple[dict[str, dict[int, int]], int, str]:
+    """What torch's own objects hold, by storage: ({"weights", "grads", "state": {storage: bytes}}, the elements of
+    one AdamW moment, the keys of AdamW's state). Weights: the model's parameters and those AdamW steps (a script's
+    shards); gradients: their .grad; state: AdamW's `state`, read as AdamW keeps it, not as a script says."""
+    params = [*net.parameters(), *(p for group in adamw.param_groups for p in group["params"])]
+    state = [adamw.state[p] for group in adamw.param_groups for p in group["params"] if p in adamw.state]
+    keys = sorted({key for s in state for key in s})
+    return ({"weights": storages(params), "grads": storages(p.grad for p in params),
+             "state": storages(t for s in state for t in s.values() if isinstance(t, torch.Tensor))},
+            sum(local(s["exp_avg"]).numel() for s in state), " ".join(keys))
 
 
 def measure(way: str, args: argparse.Namespace) -> dict:
     net = build(args.hidden, args.layers)
-    model, optimizer, weights, grads, inner = setup(way, net, args.lr)
+    model, optimizer, adamw = setup(way, net, args.lr)
     samples: list[int] = []
 
     def sample(*_) -> None:
@@ -181,27 +211,25 @@ def measure(way: str, args: argparse.Namespace) -> dict:
     for h in handles:
         h.remove()
     del x, y
-    found = alive()
-    kinds = {"weights": storages(weights()), "grads": storages(grads()),
-             "state": storages(t for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor))}
+    found = alive()  # every storage a live tensor uses: what a whole gradient kept somewhere would add to
+    kinds, moment, keys = held(net, adamw)
     counted_bytes = {kind: sum(b for ptr, b in owned.items() if ptr in found) for kind, owned in kinds.items()}
+    counted_bytes["other"] = sum(b for ptr, b in found.items() if not any(ptr in owned for owned in kinds.values()))
     n = sum(p.numel() for p in build(args.hidden, args.layers).parameters())
     world = dist.get_world_size()
     formula = sum(FORMULA[way](world)) * n
-    total = sum(counted_bytes.values())
+    total = sum(found.values())
     return {"way": way, "W": world, "weights": n, **{f"{k}_MiB": v / MiB for k, v in counted_bytes.items()},
             "total_MiB": total / MiB, "formula_MiB": formula / MiB, "ratio": total / formula,
-            "transient_MiB": (max(samples) - sum(found.values())) / MiB,
+            "transient_MiB": (max(samples) - total) / MiB, "moment_elements": moment, "state_keys": keys,
             "sent_MiB": sent * 4 / MiB, "sent_formula_MiB": TRAFFIC[way] * n * (world - 1) / world * 4 / MiB}
 
 
-def worker(rank: int, world: int, args: argparse.Namespace, results: mp.SimpleQueue) -> None:
+def worker(rank: int, world: int, way: str, args: argparse.Namespace, results: mp.SimpleQueue) -> None:
     with gloo_group(rank, world, args.port, args.timeout):
-        for way in args.ways:
-            row = measure(way, args)
-            gc.collect()
-            if rank == 0:
-                results.put(row)
+        row = measure(way, args)
+        if rank == 0:
+            results.put(row)
     exit_worker()
 
 
@@ -220,21 +248,35 @@ def main(argv: list[str] | None = None) -> int:
     method = "fork" if sys.platform == "linux" else "spawn"
     rows = []
     for world in args.world_sizes:
-        args.port = free_port()
-        results = mp.get_context(method).SimpleQueue()
-        mp.start_processes(worker, args=(world, args, results), nprocs=world, start_method=method)
-        rows += [results.get() for _ in args.ways]
+        for way in args.ways:  # each in ranks of its own: no tensor a way leaves behind is counted in another's
+            args.port = free_port()
+            results = mp.get_context(method).SimpleQueue()
+            mp.start_processes(worker, args=(world, way, args, results), nprocs=world, start_method=method)
+            rows.append(results.get())
     write_csv(args.out / "memory.csv", rows, COLUMNS, floats=".4f")
-    print(f"rank 0 of W, float32, AdamW; the MLP: {rows[0]['weights']:,} weights ({rows[0]['weights'] * 4 / MiB:.1f} "
-          f"MiB); MiB after a step, counted from the live tensors, and the formula; the transient peak during the step;"
-          f" MiB sent per step and rank (ring costs of the collectives counted), and the formula")
-    table = [["way", "W", "weights", "grads", "AdamW", "total", "formula", "ratio", "transient", "sent", "formula"]]
-    table += [[r["way"], str(r["W"]), *(f"{r[k]:.1f}" for k in ("weights_MiB", "grads_MiB", "state_MiB", "total_MiB",
-                                                                "formula_MiB")), f"{r['ratio']:.3f}",
-               f"{r['transient_MiB']:.1f}", f"{r['sent_MiB']:.1f}", f"{r['sent_formula_MiB']:.1f}"] for r in rows]
-    print_table(table)
+    print(readme_table(args.out / "memory.csv"), end="")
     plot(rows, args.out / "memory.png")
     return 0
+
+
+def readme_table(csv_path: Path) -> str:
+    """What main() prints, from the CSV it wrote: the README shows the committed memory.csv's (a test checks it)."""
+    rows = read_csv(csv_path)
+    n = int(rows[0]["weights"])
+    table = [["way", "W", "weights", "grads", "AdamW", "other", "total", "formula", "ratio", "transient", "sent",
+              "formula"]]
+    table += [[r["way"], r["W"], *(f"{float(r[k]):.1f}" for k in ("weights_MiB", "grads_MiB", "state_MiB", "other_MiB",
+                                                                  "total_MiB", "formula_MiB")),
+               f"{float(r['ratio']):.3f}", *(f"{float(r[k]):.1f}" for k in ("transient_MiB", "sent_MiB",
+                                                                            "sent_formula_MiB"))] for r in rows]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print(f"rank 0 of W, float32, AdamW; the MLP: {n:,} weights ({n * 4 / MiB:.1f} MiB); MiB after a step, every "
+              f"live tensor counted (AdamW: its .state; other: held by none of the model, the gradients, AdamW), and "
+              f"the formula; the transient peak during the step; MiB sent per step and rank (ring costs of the "
+              f"collectives counted), and the formula")
+        print_table(table)
+    return out.getvalue()
 
 
 def plot(rows: list[dict], path: Path) -> None:
