@@ -79,8 +79,8 @@ MUTATIONS = [
     ("dk, dv kept by the last rank instead of sent home", "ring_attention",
      [("dk, dv = dkv  #", "dk, dv = part  #")]),
     ("all-gather's backward without the reduction", "allgather_attention",
-     [("dist.reduce_scatter(mine, parts, group=ctx.group)",
-       "mine.copy_(parts[dist.get_rank(ctx.group)])")]),
+     [("dist.reduce_scatter(shard, parts, group=ctx.group)",
+       "shard.copy_(parts[dist.get_rank(ctx.group)])")]),
 ]
 # bfloat16: the ring as it was before 2026-11-27, computing and summing in the inputs' dtype (the control).
 NARROW = [("return torch.promote_types(dtype, torch.float32)", "return dtype")]
