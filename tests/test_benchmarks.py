@@ -34,9 +34,10 @@ def assert_png(path: Path) -> None:
     assert len(data) > 10_000, f"{path} is suspiciously small ({len(data)} bytes): an empty figure?"
 
 
-def run_script(script: str, *flags: str, out: Path | None = None, timeout: float = 180) -> Run:
+def run_script(script: str, *flags: str, programs: int, out: Path | None = None) -> Run:
+    """`script` with `flags`, its time limit that of the `programs` processes it starts in all (itself among them)."""
     cmd = [sys.executable, str(ROOT / script), *flags, *(["--out", str(out)] if out else [])]
-    return launch_commands([cmd], out, timeout=timeout)
+    return launch_commands([cmd], out, timeout=time_limit(programs=programs))
 
 
 # --- collectives/benchmark.py -------------------------------------------------------------------
@@ -50,7 +51,7 @@ COLL_ALGORITHMS = {"all_reduce", "ring", "ps", "ring_simple"}
 def collectives_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     out = tmp_path_factory.mktemp("collectives_bench")
     return check(run_script("collectives/benchmark.py", "--world-sizes", "2,3", "--sizes", "4K,64K", "--repeats", "3",
-                            "--warmup", "1", out=out))
+                            "--warmup", "1", programs=6, out=out))  # itself, then 2 ranks, then 3
 
 
 def test_collectives_benchmark_writes_every_point(collectives_run):
@@ -104,7 +105,8 @@ BATCHES, CAPS = [8, 16], [1, 25, 100]
 def scaling_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     out = tmp_path_factory.mktemp("ddp_scaling")
     return check(run_script("benchmarks/ddp_scaling.py", "--batches", "8,16", "--sweep-batch", "8", "--steps", "2",
-                            "--rounds", "2", "--warmup", "1", "--mlp-width", "32", "--accumulate", "2", out=out))
+                            "--rounds", "2", "--warmup", "1", "--mlp-width", "32", "--accumulate", "2", programs=3,
+                            out=out))  # itself and its 2 ranks (mp.spawn), every configuration in that one job
 
 
 def test_ddp_scaling_writes_every_configuration(scaling_run):
@@ -154,7 +156,7 @@ def test_dp_vs_ddp_needs_gpus_and_says_so(tmp_path):
     import torch
     if torch.cuda.device_count() >= 2:
         pytest.skip("GPUs present: this test checks the message shown without them")
-    run = check(run_script("benchmarks/dp_vs_ddp.py", out=tmp_path / "dp", timeout=60))
+    run = check(run_script("benchmarks/dp_vs_ddp.py", programs=1, out=tmp_path / "dp"))
     assert "needs 2 or more GPUs" in run.stdout and "Nothing measured" in run.stdout, run.describe()
     assert not (tmp_path / "dp").exists() or not any((tmp_path / "dp").iterdir()), "no numbers without GPUs"
 
@@ -165,7 +167,7 @@ def test_dp_vs_ddp_needs_gpus_and_says_so(tmp_path):
     ("collectives/benchmark.py", ["--world-sizes", "1"], "--world-sizes"),
 ])
 def test_bad_flag_is_one_line_and_exit_2(script, flags, flag):
-    run = run_script(script, *flags, timeout=60)
+    run = run_script(script, *flags, programs=1)
     assert run.returncode == 2 and run.stdout == "", run.describe()
     assert run.stderr.strip().count("\n") == 0 and flag in run.stderr, run.stderr
 
@@ -305,7 +307,7 @@ def test_nanogpt_trains_and_is_scored_on_11s_split(tmp_path):
 def test_vs_nanogpt_quick_run_scores_both_models(tmp_path):
     """20 steps each: the table, and the one scoring function gives 11_gpt's model the loss 11_gpt printed."""
     # The script, then nanoGPT's train.py, then 11_gpt's torchrun (its agent and 2 ranks)
-    run = check(run_script("benchmarks/vs_nanogpt.py", "--quick", out=tmp_path, timeout=time_limit(programs=5)))
+    run = check(run_script("benchmarks/vs_nanogpt.py", "--quick", programs=5, out=tmp_path))
     rows = {r["run"]: r for r in json.loads((tmp_path / "vs_nanogpt.json").read_text())["rows"]}
     assert set(rows) == {"nanoGPT", "11_gpt"} and "held-out loss" in run.stdout, run.describe()
     assert abs(rows["11_gpt"]["held_out_loss"] - rows["11_gpt"]["own_estimate"]) < 1e-4, rows

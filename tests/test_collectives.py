@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import readme_run
-from harness import ROOT, Run, check, launch_commands
+from harness import ROOT, Run, check, launch_commands, time_limit
 
 CHECK = ROOT / "collectives" / "check.py"
 ALGORITHMS = {"ring_simple", "ring", "ring_pieces", "ps"}
@@ -33,7 +33,7 @@ def reports_in(out: Path) -> list[dict]:
 def run_check(out: Path, script: Path = CHECK, world: int = 2) -> tuple[Run, list[dict]]:
     """Launch check.py with `world` ranks; return the run and every rank's report."""
     cmd = [sys.executable, str(script), "--world-size", str(world), "--out", str(out)]
-    run = launch_commands([cmd], out, timeout=120)
+    run = launch_commands([cmd], out, timeout=time_limit(programs=1 + world))  # itself and its ranks
     return run, reports_in(out)
 
 
@@ -132,6 +132,6 @@ def test_chunk_bounds_cover_any_size_in_near_equal_parts():
 
 
 def test_bad_flag_is_one_line_and_exit_2():
-    run = launch_commands([[sys.executable, str(CHECK), "--world-size", "0"]], timeout=60)
+    run = launch_commands([[sys.executable, str(CHECK), "--world-size", "0"]], timeout=time_limit())
     assert run.returncode == 2 and run.stdout == "", run.describe()
     assert run.stderr.strip().count("\n") == 0 and "--world-size" in run.stderr

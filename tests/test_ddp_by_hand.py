@@ -46,6 +46,7 @@ from harness import (
     group_of_one,
     launch_commands,
     replay_error,
+    time_limit,
     tolerance,
 )
 from lesson_diffs import BOUNDARY, FILE_DIFFS, file_diff, file_diff_block
@@ -162,7 +163,8 @@ def mutated(script: str, old: str, new: str, dest: Path) -> Path:
 
 def launch_two(script: Path, out: Path):
     return launch_commands([[*TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), "--batch-size", "32",
-                             "--dtype", "float64", "--epochs", "2", "--out", str(out)]], out, timeout=120)
+                             "--dtype", "float64", "--epochs", "2", "--out", str(out)]], out,
+                           timeout=time_limit(programs=3))  # torchrun's agent and 2 ranks
 
 
 # --- at W = 2, in a job of its own: what the in-process checks below cannot see with one rank ----------------------

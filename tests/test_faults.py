@@ -1182,7 +1182,8 @@ def test_a_crashed_worker_shows_where_it_crashed_among_the_others_errors():
     ranks' errors and the launcher's report follow and can fill the tail a failure shows: Run.describe keeps it."""
     crash = "import ctypes\ndef where_it_crashed():\n    ctypes.string_at(0)\nwhere_it_crashed()"
     others = "import sys; sys.stderr.write('another rank: connection reset by peer\\n' * 200)"
-    run = launch_commands([["bash", "-c", '"$0" -c "$1"; "$0" -c "$2"', sys.executable, crash, others]], timeout=60)
+    run = launch_commands([["bash", "-c", '"$0" -c "$1"; "$0" -c "$2"', sys.executable, crash, others]],
+                           timeout=harness.time_limit(programs=2))
     assert run.returncode == 0 and run.stderr.index("Fatal Python error") < 100, run.describe()
     assert len(run.stderr) > 4000 and "where_it_crashed" not in run.stderr[-4000:]  # the tail alone would lose it
     assert "--- the crash ---" in run.describe() and "in where_it_crashed" in run.describe(), run.describe()

@@ -21,7 +21,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import Job, Run, Step, check, launch, load_stage, max_abs_diff, max_gap, restore_state, state_gap
+from harness import (
+    Job,
+    Run,
+    Step,
+    check,
+    launch,
+    load_stage,
+    max_abs_diff,
+    max_gap,
+    programs,
+    restore_state,
+    state_gap,
+    time_limit,
+)
 
 RECIPE = "recipes/uneven_inputs"
 W, B, EPOCHS, SKEW = 2, 32, 3, 1.0  # rank 1 gets twice rank 0's samples: 43 and 86 batches per epoch
@@ -173,7 +186,7 @@ def test_without_join_the_job_fails_at_once_and_never_hangs(tmp_path):
     timeout = 5.0
     started = Started()
     step = Step(RECIPE, "torchrun", (*ARGS, "--no-join", "--timeout", str(timeout), "--epochs", "2"), nproc=W)
-    run = launch(step, out=tmp_path, timeout=90, during=started)
+    run = launch(step, out=tmp_path, timeout=time_limit(programs(step), waits=timeout), during=started)
     assert run.returncode not in (0, None) and not run.survivors, run.describe()
     assert not (tmp_path / "summary.json").exists()
     # Rank 0 ran out of batches and called the loss all_reduce (4 numbers) while rank 1's backward sent a gradient

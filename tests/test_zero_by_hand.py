@@ -35,7 +35,18 @@ import torch
 import torch.nn.functional as F
 
 from conftest import readme_run
-from harness import ROOT, TORCHRUN, check, edited, forked_ranks, launch_commands, load_copy, replay_error, tolerance
+from harness import (
+    ROOT,
+    TORCHRUN,
+    check,
+    edited,
+    forked_ranks,
+    launch_commands,
+    load_copy,
+    replay_error,
+    time_limit,
+    tolerance,
+)
 from lesson_diffs import FILE_DIFFS, file_diff, file_diff_block
 from readme_blocks import BLOCKS
 from tools.cli import read_csv
@@ -235,7 +246,7 @@ def launch_mutated(script: str, old: str, new: str, tmp: Path):
     (tmp / script).write_text(edited(HERE / script, [(old, new)]))
     return launch_commands([[*TORCHRUN, "--standalone", "--nproc_per_node=2", str(tmp / script), "--batch-size",
                              "32", "--dtype", "float64", "--epochs", "2", "--out", str(tmp / "out")]], tmp / "out",
-                           timeout=120)
+                           timeout=time_limit(programs=3))  # torchrun's agent and 2 ranks
 
 
 @pytest.mark.parametrize("script,old,new", [
