@@ -19,7 +19,7 @@ reference's micro-batch i):
              here one window, as the reference's)
 
 Every state (weights, both AdamW moments), loss, gradient norm and the tokens each expert took are compared, within
-sqrt(eps) of float64 (the tokens exactly). The planted bugs, each on ep2's or dpep's command (4 steps), must leave
+sqrt(eps) of float64 (the tokens exactly). The planted bugs, each on ep2's or dpep_ddp's command (4 steps), must leave
 one process's training far behind: a row sent to another expert's slot, the combine without the gates, the
 backward's all-to-all with the forward's splits, the balancing loss counted per rank (--balance rank, which most
 trainers use: the run says so before it starts), and the experts' gradients averaged over their replicas only; each
