@@ -31,6 +31,7 @@ mixture written here token by token, and DDP's way of leaving the experts out (a
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -391,6 +392,10 @@ def test_ddp_still_leaves_the_named_parameters_out():
 TRAFFIC = "python benchmarks/moe_traffic.py --quick --out runs/moe_traffic_quick"  # the README's quick run
 
 
+def traffic_rows(path: Path) -> list[dict[str, float]]:
+    return [{k: float(v) for k, v in r.items()} for r in read_csv(path)]
+
+
 def traffic_agrees_with_the_formula(rows: list[dict[str, float]]) -> None:
     """moe_traffic's rows (float32, its default --dtype): the formula, 4 n k L (ep - 1)/ep width bytes; the measured
     bytes within 10% of it where the router decides (k < E: the formula assumes every expert its even share), and
@@ -419,14 +424,14 @@ def test_the_all_to_all_carries_the_formulas_bytes(readme_runs):
     traffic_agrees_with_the_formula says. (A redundant exchange in the backward, planted once, made them 1.5 times
     it; one rank's rows counted twice, or the formula without its (ep - 1)/ep, fail it too.)"""
     run = readme_run(readme_runs, TRAFFIC)
-    rows = [{k: float(v) for k, v in r.items()} for r in read_csv(run.out / "moe_traffic.csv")]
+    rows = traffic_rows(run.out / "moe_traffic.csv")
     assert [(r["ep"], r["experts"], r["top_k"]) for r in rows] == [(2, 4, 2), (2, 4, 4)], rows
     for r in rows:  # --quick: 2 blocks of width 32, 16 windows of 24 a step over 2 ranks
         assert (r["tokens_per_rank"], r["layers"], r["width"]) == (16 // 2 * 24, 2, 32), r
     traffic_agrees_with_the_formula(rows)
     assert "wrote " in run.stdout
     committed = ROOT / "benchmarks" / "moe_traffic.csv"
-    rows = [{k: float(v) for k, v in r.items()} for r in read_csv(committed)]
+    rows = traffic_rows(committed)
     assert [(r["ep"], r["experts"], r["top_k"]) for r in rows] == [(2, 4, 2), (4, 4, 2), (2, 8, 2), (2, 4, 4),
                                                                       (4, 4, 4)], rows
     traffic_agrees_with_the_formula(rows)
