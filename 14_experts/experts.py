@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import math
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -91,8 +90,8 @@ class ExpertParallel:
         every rank drew the same whole weight)."""
         if self.size == 1:
             return weight
-        mine = weight.detach().chunk(self.size)[self.rank].clone()
-        return nn.Parameter(DTensor.from_local(mine, self.mesh, [Shard(0)], run_check=False))
+        local = weight.detach().chunk(self.size)[self.rank].clone()
+        return nn.Parameter(DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False))
 
     def run(self, experts: Experts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each row through its expert, wherever the expert lives; rows sorted by expert, counts[e] of them for expert
@@ -107,8 +106,9 @@ class ExpertParallel:
         send_splits, recv_splits = sent.sum(1).tolist(), received.sum(1).tolist()
         # 2. The rows to their experts' ranks. They arrive by sender, each sender's by expert: regroup by expert.
         got = AllToAll.apply(rows, send_splits, recv_splits, self.group)
-        mine = torch.arange(sent.shape[1], device=rows.device).repeat(self.size)  # the expert of each (sender, expert)
-        by_expert = mine.repeat_interleave(received.flatten()).argsort(stable=True)
+        # the expert of each (sender, expert) pair, in the order they arrive
+        expert_of = torch.arange(sent.shape[1], device=rows.device).repeat(self.size)
+        by_expert = expert_of.repeat_interleave(received.flatten()).argsort(stable=True)
         out = experts(got[by_expert], received.sum(0))
         # 3. The outputs back to the ranks that sent the rows, in the order they came.
         return AllToAll.apply(out[by_expert.argsort()], recv_splits, send_splits, self.group)
@@ -122,24 +122,6 @@ class ExpertParallel:
             if self.replicas is not None:
                 dist.all_reduce(grad, group=self.replicas)
             grad.div_(world)
-
-
-def make_ep_groups(ep: int, shape: tuple[int, int, int],
-                   timeout: float) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """(this rank's ep group, its experts' replicas) in the (pp, dp x cp, tp) grid: ep consecutive dp x cp ranks of a
-    stage's tp column share out the experts; the ranks at the same place of every such group hold the same experts
-    (None where there are no others). Every rank makes every group, in the same order, waiting --timeout."""
-    pp, dp_cp, tp = shape
-    if ep == 1:
-        return None, None
-    grid = torch.arange(pp * dp_cp * tp).reshape(pp, dp_cp // ep, ep, tp)
-    wait = timedelta(seconds=timeout)
-    group = dist.new_subgroups_by_enumeration(grid.movedim(2, -1).reshape(-1, ep).tolist(), timeout=wait)[0]
-    if dp_cp == ep:
-        return group, None
-    replicas = dist.new_subgroups_by_enumeration(grid.movedim(1, -1).reshape(-1, dp_cp // ep).tolist(),
-                                                 timeout=wait)[0]
-    return group, replicas
 
 
 def expert_capacity(tokens: int, top_k: int, experts: int, factor: float) -> int:
@@ -289,8 +271,8 @@ def describe_experts(args: argparse.Namespace, cfg, ep: ExpertParallel, split: b
         f"capacity {args.capacity_factor:g} x an expert's even share of a rank's tokens, the rest skip it"
     # At k = 1 the gate is the router's probability (Switch), said because k > 1 renormalises the gates (MoE.forward).
     gate = ", weighted by the router's probability (k = 1: not renormalised, as Switch)" if cfg.top_k == 1 else ""
-    mine = cfg.experts // ep.size
-    return (f"experts: {cfg.experts} per block, each token to {cfg.top_k}{gate} | ep {ep.size}: {mine} "
-            f"expert{'s' if mine > 1 else ''} a rank | balancing loss x {args.aux_weight:g}, its load counted over "
+    per_rank = cfg.experts // ep.size
+    return (f"experts: {cfg.experts} per block, each token to {cfg.top_k}{gate} | ep {ep.size}: {per_rank} "
+            f"expert{'s' if per_rank > 1 else ''} a rank | balancing loss x {args.aux_weight:g}, its load counted over "
             f"{'the whole micro-batch' if args.balance == 'batch' else 'each rank'} | {capacity}"
             + (" | this run trains differently from one process: " + "; ".join(differs) if differs else ""))
