@@ -1,25 +1,25 @@
 """Stage 14's mixture of experts trained, measured: what the balancing loss does to the experts' load, and the mixture
 against stage 13's dense GPT at the same active parameters, the same wall time and the same steps.
 
-    python benchmarks/moe_quality.py               # 13 runs one after another, one thread each: ~15 minutes on 2 cores
-    python benchmarks/moe_quality.py --quick       # the same runs on a tiny model for 20 steps: ~1 minute
+    python benchmarks/moe_quality.py               # 15 runs one after another, one thread each: ~15 minutes on 2 cores
+    python benchmarks/moe_quality.py --quick       # the same runs on a tiny model, 20 steps, one seed: ~1 minute
 
 Each run is `python STAGE/train.py ... --sample 0 --out DIR` with OMP_NUM_THREADS=1, one at a time (their times are
 compared: run it on an otherwise idle machine). From each run's summary.json:
 
-- balance.csv, two runs of the default mixture (4 blocks, 4 experts a block, each token to 2) for 200 steps, with the
-  balancing loss (--aux-weight 0.01) and without (0): per step and block, the busiest expert's tokens over the even
-  share (2.0 is the most a token's two different choices allow), its mean over the first 10 steps and over the last
-  50 (and the worst of those), the last block's share per expert over the last 50 steps, the balancing loss of the
-  last step, and the held-out loss.
-- dense.csv, the default batch (16 windows of 64 characters a step): stage 13's dense GPT for its default 800 steps,
-  the mixture with --top-k 1 (a token's active parameters are the dense model's, plus the router's) and with
-  --top-k 2 each for the steps that fit in about the dense run's time (STEPS_SAME_TIME: fixed numbers, not fitted;
-  the table shows the seconds they took), seeds 0, 1 and 2, and both mixtures for 800 steps (seed 0); the held-out
-  loss over all 111,539 held-out characters.
+- moe_balance.csv, two runs of the default mixture (4 blocks, 4 experts a block, each token to 2) for 200 steps,
+  with the balancing loss (--aux-weight 0.01) and without (0): per step and block, the busiest expert's tokens over
+  the even share (2.0 is the most a token's two different choices allow), its mean over the first 10 steps and over
+  the last 50 (and the worst of those), the last block's share per expert over the last 50 steps, the balancing loss
+  of the last step, and the held-out loss.
+- moe_dense.csv, the default batch (16 windows of 64 characters a step): stage 13's dense GPT for its default 800
+  steps, seeds 0, 1 and 2; the mixture with --top-k 1 (a token's active parameters are the dense model's, plus the
+  router's) and with --top-k 2, each for as many steps as fit in the dense runs' mean time (its pace timed first on a
+  probe run of PROBE_STEPS, then thrown away), seeds 0, 1 and 2; and both mixtures for 800 steps (seed 0). The
+  held-out loss is over all 111,539 held-out characters; the seconds are the training steps' (train_seconds).
 
-The two tables of 14_experts/README.md are readme_tables() of the committed CSVs (tests/test_moe_quality.py checks
-that they are).
+The two tables of 14_experts/README.md are readme_tables() of the committed CSVs, benchmarks/moe_balance.csv and
+benchmarks/moe_dense.csv (tests/test_experts.py checks that they are).
 """
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ from tools.cli import ArgumentParser, positive, print_table, read_csv, write_csv
 from tour import load_stage, run_job  # noqa: E402
 
 TINY = ("--layers", "2", "--heads", "2", "--width", "32", "--context", "24")
-STEPS_SAME_TIME = {1: 634, 2: 439}  # top-k: the mixture's steps in about the dense model's 800 (measured once, here)
+PROBE_STEPS = 60  # a mixture's pace is timed over this many steps (its first step's set-up among them)
 BALANCE_COLUMNS = ["aux_weight", "steps", "busiest_first", "busiest_last", "busiest_last_worst", "last_block_shares",
                    "aux_loss_last", "eval_loss"]
-DENSE_COLUMNS = ["model", "top_k", "seed", "steps", "parameters", "active", "train_seconds", "eval_loss"]
+DENSE_COLUMNS = ["model", "top_k", "budget", "seed", "steps", "parameters", "active", "train_seconds", "eval_loss"]
 
 
 def train(stage: str, flags: list[str], out: Path, timeout: float) -> dict:
@@ -78,6 +78,17 @@ def dense_row(summary: dict, model: str, top_k: int, seed: int) -> dict:
             "eval_loss": summary["eval_loss"]}
 
 
+def run_dense_or_moe(model: str, k: int, steps: int, seed: int, budget: str, shape: list[str], args) -> dict:
+    """One run of stage 13's dense GPT (k 0) or of the mixture at top-k k; its row."""
+    flags = [*shape, "--max-steps", str(steps), "--eval-every", str(max(1, steps // 4)), "--seed", str(seed)]
+    stage = "13_pipeline_4d" if model == "dense" else "14_experts"
+    summary = train(stage, flags + (["--top-k", str(k)] if k else []), args.out / f"{model}_k{k}_{steps}_{seed}",
+                    args.timeout)
+    print(f"{stage} top-k {k or '-'} seed {seed}: {steps} steps in {summary['train_seconds']:.1f}s, held-out "
+          f"{summary['eval_loss']:.4f}", flush=True)
+    return {**dense_row(summary, model, k, seed), "budget": budget}
+
+
 def readme_tables(balance_csv: Path, dense_csv: Path) -> tuple[str, str]:
     """The rows of 14_experts/README.md's two tables, from the CSVs."""
     balance = []
@@ -89,9 +100,10 @@ def readme_tables(balance_csv: Path, dense_csv: Path) -> tuple[str, str]:
                        f"{float(r['aux_loss_last']):.3f} | {float(r['eval_loss']):.4f} |")
     rows = read_csv(dense_csv)
     dense = []
-    for (model, top_k, steps) in dict.fromkeys((r["model"], r["top_k"], r["steps"]) for r in rows):
-        runs = [r for r in rows if (r["model"], r["top_k"], r["steps"]) == (model, top_k, steps)]
-        name = "stage 13, dense" if model == "dense" else f"14, E 4, k {top_k}"
+    for key in dict.fromkeys((r["model"], r["top_k"], r["budget"], r["steps"]) for r in rows):
+        runs = [r for r in rows if (r["model"], r["top_k"], r["budget"], r["steps"]) == key]
+        model, top_k, budget, steps = key
+        name = "stage 13, dense" if model == "dense" else f"14, E 4, k {top_k}: {budget}"
         dense.append(f"| {name} | {int(runs[0]['parameters']):,} ({int(runs[0]['active']):,}) | {steps} | "
                      + ", ".join(f"{float(r['train_seconds']):.1f}" for r in runs) + " | "
                      + ", ".join(f"{float(r['eval_loss']):.4f}" for r in runs) + " |")
@@ -112,26 +124,24 @@ def main(argv: list[str] | None = None) -> int:
                                                 "--aux-weight", str(w)], args.out / f"balance_{w}", args.timeout),
                            first=10, last=length // 4)
                for w in (0.01, 0.0)]
-    write_csv(args.out / "balance.csv", balance, BALANCE_COLUMNS)
-    dense = []
+    write_csv(args.out / "moe_balance.csv", balance, BALANCE_COLUMNS)
     seeds = [0] if args.quick else [0, 1, 2]
-    steps = {k: (length if args.quick else v) for k, v in STEPS_SAME_TIME.items()}
     full = length if args.quick else 800
-    plan = [("dense", "13_pipeline_4d", 0, full, seeds)] + [("moe", "14_experts", k, steps[k], seeds) for k in (1, 2)] \
-        + ([] if args.quick else [("moe", "14_experts", k, full, [0]) for k in (1, 2)])
-    for model, stage, k, n, run_seeds in plan:
-        for seed in run_seeds:
-            flags = [*shape, "--max-steps", str(n), "--eval-every", str(max(1, n // 4)), "--seed", str(seed)]
-            flags += ["--top-k", str(k)] if k else []
-            summary = train(stage, flags, args.out / f"{model}_k{k}_{n}_{seed}", args.timeout)
-            dense.append(dense_row(summary, model, k, seed))
-            print(f"{stage} top-k {k or '-'} seed {seed}: {n} steps in {summary['train_seconds']:.1f}s, held-out "
-                  f"{summary['eval_loss']:.4f}", flush=True)
-    write_csv(args.out / "dense.csv", dense, DENSE_COLUMNS)
+    dense = [run_dense_or_moe("dense", 0, full, seed, "same steps", shape, args) for seed in seeds]
+    budget = statistics.fmean(r["train_seconds"] for r in dense)  # the dense model's time: the mixtures' budget
+    for k in (1, 2):
+        # Its pace from a probe run (its own steps, after which it is thrown away): the steps that fit in the budget.
+        probe = train("14_experts", [*shape, "--top-k", str(k), "--max-steps", str(PROBE_STEPS), "--eval-every",
+                                     str(PROBE_STEPS)], args.out / f"probe_k{k}", args.timeout)
+        steps = round(budget / (probe["train_seconds"] / PROBE_STEPS))
+        dense += [run_dense_or_moe("moe", k, steps, seed, "same time", shape, args) for seed in seeds]
+    if not args.quick:
+        dense += [run_dense_or_moe("moe", k, full, 0, "same steps", shape, args) for k in (1, 2)]
+    write_csv(args.out / "moe_dense.csv", dense, DENSE_COLUMNS)
     for rows, columns in ((balance, BALANCE_COLUMNS), (dense, DENSE_COLUMNS)):
         print_table([columns] + [[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in columns]
                                  for r in rows])
-    print(f"wrote {args.out / 'balance.csv'} and {args.out / 'dense.csv'}")
+    print(f"wrote {args.out / 'moe_balance.csv'} and {args.out / 'moe_dense.csv'}")
     return 0
 
 

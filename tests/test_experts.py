@@ -437,3 +437,35 @@ def test_the_all_to_all_carries_the_formulas_bytes(readme_runs):
     traffic_agrees_with_the_formula(rows)
     bench = load_copy(ROOT / "benchmarks" / "moe_traffic.py")
     assert bench.readme_table(committed) in (ROOT / STAGE / "README.md").read_text()
+
+
+QUALITY = "python benchmarks/moe_quality.py --quick --out runs/moe_quality_quick"  # the README's quick run
+
+
+@pytest.mark.readme_run(QUALITY)
+def test_the_mixtures_training_is_measured_as_the_readme_shows(readme_runs):
+    """benchmarks/moe_quality.py (the README's quick run, a tiny model; and the committed CSVs of the full one, which
+    the README's two tables are): the balancing loss's runs and the mixture beside the dense GPT, each row what its
+    summary.json says. Its load ratios lie between even (1) and the most k = 2 of E = 4 allows (2); the last block's
+    shares add up to 1; a token's active parameters are the dense model's plus the router's at k = 1, more at k = 2."""
+    bench = load_copy(ROOT / "benchmarks" / "moe_quality.py")
+    run = readme_run(readme_runs, QUALITY)
+    committed = ROOT / "benchmarks" / "moe_balance.csv", ROOT / "benchmarks" / "moe_dense.csv"
+    for balance_csv, dense_csv, length in ((run.out / "moe_balance.csv", run.out / "moe_dense.csv", 20),
+                                           (*committed, 200)):
+        balance, dense = read_csv(balance_csv), read_csv(dense_csv)
+        assert [(float(r["aux_weight"]), int(r["steps"])) for r in balance] == [(0.01, length), (0.0, length)], balance
+        for r in balance:
+            assert all(1 <= float(r[k]) <= 2 for k in ("busiest_first", "busiest_last", "busiest_last_worst")), r
+            assert float(r["busiest_last"]) <= float(r["busiest_last_worst"]), r
+            assert sum(map(float, r["last_block_shares"].split())) == pytest.approx(1, abs=1e-3), r
+        by_model = {(r["model"], int(r["top_k"])): r for r in dense}
+        dense_active = int(by_model[("dense", 0)]["active"])
+        assert int(by_model[("dense", 0)]["parameters"]) == dense_active
+        k1, k2 = int(by_model[("moe", 1)]["active"]), int(by_model[("moe", 2)]["active"])
+        layers, width = (2, 32) if length == 20 else (4, 128)
+        assert k1 == dense_active + layers * 4 * width, (k1, dense_active)  # the router's width x E a block
+        assert k1 < k2 < int(by_model[("moe", 2)]["parameters"]), by_model
+    tables = bench.readme_tables(*committed)
+    readme = (ROOT / STAGE / "README.md").read_text()
+    assert all(table in readme for table in tables), "14's README: paste benchmarks/moe_quality.py's readme_tables()"

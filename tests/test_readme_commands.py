@@ -40,6 +40,11 @@ NOT_RUN = {  # the only reasons a command may be left out
     "is a full benchmark run (a minute or more): the quick run below it and tests/test_benchmarks.py run the script",
     "is a full profiling run (a minute or more): the quick run below it and tests/test_ddp_by_hand.py run the script",
     "is a full measuring run (minutes): the quick run below it and tests/test_zero_by_hand.py run the script",
+    "is a full measuring run (minutes): the quick run below it and tests/test_experts.py run the script",
+    # A test module's own run, which the suite makes itself; the block shows how its printed rows were made.
+    "runs a test module, which the suite runs itself",
+    # Throughput of this machine, minutes of it: a figure of the machine, dated, never compared.
+    "measures this machine's speed (a minute or more), which no test compares",
     # Another project's code, which nothing here downloads (benchmarks/vs_nanogpt.py): where it is, the test runs.
     "needs nanoGPT's code beside the repository: tests/test_benchmarks.py runs the script's quick run where it is",
 }
