@@ -9,8 +9,9 @@ README may leave lines out: a line `...`, or "the epoch lines left out"), with:
 - the words, the punctuation and the deterministic numbers as shown: losses, accuracies, step and sample counts,
   bytes, replay errors. A decimal may differ by one unit in its last shown digit (float32 rounds differently on
   another CPU; in float64 they agree to the digit, but for a rounding error itself: below ROUNDING, any), an integer
-  not at all; a bfloat16 run's decimals by 1% (BF16), and a float32 GPT run's too, its tens of steps carrying a CPU's
-  rounding forward (F32_GPT);
+  not at all; a bfloat16 run's decimals by 1% (BF16), and a float32 run's too, its steps carrying a CPU vendor's
+  rounding forward (F32, F32_GPT); a count that a threshold decides (CLIPPED), and a chaotic run's figures (CHAOTIC),
+  are the machine's;
 - the numbers that measure the machine masked, each only where it stands: durations (`0.05s`, `8.4 s`,
   `2.28 ms/step`), throughput (`21,687 tokens/s`), the tour table's two time columns, process ids, the host name
   in the node lines, a float32 GPT step's gradient norm (GPT_MACHINE);
@@ -80,33 +81,48 @@ GPT_MACHINE = (r"(?<=^tokens/s )[\d,]+", r"(?<=MFU )[\d.]+(?=%)", r"[\d.]+(?= GF
 # AVX-512) and 3.0678 on a 2-core Xeon (3.4%), same code and torch (2026-11-26, 2026-11-29). At 20 steps, the length
 # of the GPT stages' shown runs (12 since then), 13's and 14's printed on that Xeon are within 0.11% of the EPYC's.
 F32_GPT = 0.01
+# A float32 MLP run's decimals likewise, on another CPU vendor's kernels: stage 01's default run prints a held-out loss
+# of 0.0726 and 97.10% on the 2-core EPYCs that wrote the READMEs, 0.0724 and 97.20% on a 2-core Xeon (AVX-512 kernels
+# in MKL and ATen), same code and torch (2026-11-29): 0.3% and one sample in 1,001.
+F32 = 0.01
+# How many bfloat16 steps' gradient norms pass a threshold: a step near it goes either way with the CPU's rounding (the
+# mixed-precision recipe's 160 steps at 0.5: 33 on the EPYC, 34 on the Xeon).
+CLIPPED = (r"(?<=clipped: )\d+(?= of)",)
+# The sync-BatchNorm recipe's 2-rank run, statistics of 4 samples each, is chaotic: its first epoch's loss and held-out
+# accuracy, 0.9757 and 74.13% on the EPYC that wrote the README, came out 0.9777-0.9826 and 71.43-77.62% on a Xeon
+# under MKL's and ATen's several code paths (2026-11-29), while its 1-rank twin printed the README's figures to the
+# digit. Its lines are compared, its figures not.
+CHAOTIC = (r"(?<=train loss )[\d.]+", r"(?<=held-out: loss )[\d.]+", r"(?<=accuracy )[\d.]+(?=%)")
 SHOWN = [
     Shown("01_single_gpu/README.md", "[01_single_gpu] device cpu",
-          "python 01_single_gpu/train.py --device cpu --epochs 5"),
-    Shown("02_dataparallel/README.md", "[02_dataparallel] device cpu", "python 02_dataparallel/train.py --device cpu"),
-    Shown("03_ddp_spawn/README.md", "[03_ddp_spawn] world size 2", "python 03_ddp_spawn/train.py --world-size 2"),
+          "python 01_single_gpu/train.py --device cpu --epochs 5", rel=F32),
+    Shown("02_dataparallel/README.md", "[02_dataparallel] device cpu", "python 02_dataparallel/train.py --device cpu",
+          rel=F32),
+    Shown("03_ddp_spawn/README.md", "[03_ddp_spawn] world size 2", "python 03_ddp_spawn/train.py --world-size 2",
+          rel=F32),
     Shown("04_ddp_torchrun/README.md", "W1123",
-          "torchrun --standalone --nproc_per_node=2 04_ddp_torchrun/train.py --batch-size 32"),
+          "torchrun --standalone --nproc_per_node=2 04_ddp_torchrun/train.py --batch-size 32", rel=F32),
     Shown("05_multinode/README.md", "[05_multinode] world size 2",
           "OMP_NUM_THREADS=1 torchrun --nnodes=2 --nproc_per_node=1 --node_rank=0 --master_addr=127.0.0.1 "
-          "--master_port=29500 05_multinode/train.py --device cpu --batch-size 32"),
+          "--master_port=29500 05_multinode/train.py --device cpu --batch-size 32", rel=F32),
     Shown("05_multinode/README.md", "[W1123 01:36:40",
           'ip netns exec host0 env OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=eth1 "$(which python)" -m '
           "torch.distributed.run --nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d --rdzv_endpoint=10.123.0.1:29500 "
           "--rdzv_id=demo --rdzv_conf=is_host=1 --local_addr=10.123.0.1 05_multinode/train.py --device cpu "
-          "--batch-size 32"),
+          "--batch-size 32", rel=F32),
     Shown("07_model_parallel/README.md", "[07_model_parallel] world size 2 | backend gloo | device cpu | batch",
-          "torchrun --standalone --nproc_per_node=2 07_model_parallel/train.py --device cpu"),
+          "torchrun --standalone --nproc_per_node=2 07_model_parallel/train.py --device cpu", rel=F32),
     Shown("07_model_parallel/README.md", "[07_model_parallel] world size 2 | backend gloo | device cpu (no GPU",
-          "torchrun --standalone --nproc_per_node=2 07_model_parallel/train.py --snapshot runs/06_to_07.pt"),
+          "torchrun --standalone --nproc_per_node=2 07_model_parallel/train.py --snapshot runs/06_to_07.pt", rel=F32),
     Shown("08_fsdp/README.md", "held-out: loss",
           "torchrun --standalone --nproc_per_node=2 08_fsdp/train.py --epochs 5 --snapshot runs/08_reshard "
-          "--out runs/08"),
+          "--out runs/08", rel=F32),
     Shown("09_tensor_parallel/README.md", "[09_tensor_parallel] world size 4",
-          "torchrun --standalone --nproc_per_node=4 09_tensor_parallel/train.py --epochs 2 --tp 2 --batch-size 32"),
+          "torchrun --standalone --nproc_per_node=4 09_tensor_parallel/train.py --epochs 2 --tp 2 --batch-size 32",
+          rel=F32),
     Shown("10_pipeline_parallel/README.md", "[10_pipeline_parallel] world size 2",
           "torchrun --standalone --nproc_per_node=2 10_pipeline_parallel/train.py --batch-size 64 --epochs 5 "
-          "--out runs/10"),
+          "--out runs/10", rel=F32),
     Shown("README.md", "tour: stages", ".venv/bin/python tour.py --out runs/tour", machine=TOUR_TIMES),
     Shown("benchmarks/README.md", "dp_vs_ddp: needs 2 or more GPUs", "python3 benchmarks/dp_vs_ddp.py"),
     Shown("ddp_by_hand/README.md", "[ddp_by_hand/naive]",
@@ -123,15 +139,15 @@ SHOWN = [
           "--out runs/zero3"),
     Shown("zero_by_hand/README.md", "max |difference| of the weights", "python zero_by_hand/vs_library.py"),
     Shown("recipes/comm_hooks/README.md", "--hook allreduce",
-          "torchrun --standalone --nproc_per_node=2 recipes/comm_hooks/train.py --epochs 1"),
+          "torchrun --standalone --nproc_per_node=2 recipes/comm_hooks/train.py --epochs 1", rel=F32),
     Shown("recipes/comm_hooks/README.md", "fp16 | epoch replay",
           "python 01_single_gpu/train.py --dtype float64 --batch-size 64 --epochs 5 --out runs/01"),
     Shown("recipes/compile/README.md", "[recipes/compile] world size 2",
-          "torchrun --standalone --nproc_per_node=2 recipes/compile/train.py --epochs 3 --out runs/compile"),
+          "torchrun --standalone --nproc_per_node=2 recipes/compile/train.py --epochs 3 --out runs/compile", rel=F32),
     Shown("recipes/compile/README.md", "%submod_0",
           "TORCH_LOGS=ddp_graphs torchrun --standalone --nproc_per_node=2 recipes/compile/train.py --epochs 1 "
           "--bucket-cap-mb 0.01 2>&1 | grep -E \"^\\[rank0\\].*call_module\\[target=submod|^compiled\" | "
-          "sed 's/.*\\[__ddp_graphs\\] *//'"),
+          "sed 's/.*\\[__ddp_graphs\\] *//'", rel=F32),
     Shown("recipes/ddp_options/README.md", "gradients 19,984 B",
           "torchrun --standalone --nproc_per_node=2 recipes/ddp_options/train.py --epochs 1"),
     Shown("recipes/grad_accumulation/README.md", "[recipes/grad_accumulation] world size 2",
@@ -142,11 +158,14 @@ SHOWN = [
           rel=BF16),
     Shown("recipes/mixed_precision/README.md", "epoch 5/5 | train loss 0.0685",
           "torchrun --standalone --nproc_per_node=2 recipes/mixed_precision/train.py --epochs 5 --clip-grad-norm 0.5",
-          rel=BF16),
+          rel=BF16, machine=CLIPPED),
     Shown("recipes/sync_batchnorm/README.md", "recipes/sync_batchnorm/train.py: error",
           'python recipes/sync_batchnorm/train.py --device cpu 2>&1 || echo "exit status $?"'),
     Shown("recipes/sync_batchnorm/README.md", "[recipes/sync_batchnorm] world size 2",
-          "python recipes/sync_batchnorm/train.py --batchnorm local --device cpu --batch-size 8 --epochs 2"),
+          "python recipes/sync_batchnorm/train.py --batchnorm local --device cpu --batch-size 8 --epochs 2",
+          machine=CHAOTIC),
+    Shown("recipes/sync_batchnorm/README.md", "[recipes/sync_batchnorm] world size 1",
+          "python recipes/sync_batchnorm/train.py --batchnorm local --device cpu --batch-size 8 --epochs 2", rel=F32),
     Shown("11_gpt/README.md", "[11_gpt] world size 4 = dp 2 x tp 2",
           "torchrun --standalone --nproc_per_node=4 11_gpt/train.py --parallel fsdp --tp 2 --max-steps 2"),
     Shown("12_context_parallel/README.md", "[12_context_parallel] world size 2 = dp 1 x cp 2",
@@ -159,9 +178,10 @@ SHOWN = [
           "torchrun --standalone --nproc_per_node=4 14_experts/train.py --ep 4 --batch-size 4 --accumulate 2",
           machine=GPT_MACHINE, rel=F32_GPT),
     Shown("recipes/uneven_inputs/README.md", "[recipes/uneven_inputs] world size 2",
-          "torchrun --standalone --nproc_per_node=2 recipes/uneven_inputs/train.py --epochs 5 --out runs/uneven"),
+          "torchrun --standalone --nproc_per_node=2 recipes/uneven_inputs/train.py --epochs 5 --out runs/uneven",
+          rel=F32),
     Shown("recipes/uneven_inputs/README.md", "rank 1: [100.1",
-          "torchrun --standalone --nproc_per_node=2 runs/mispair.py", any_order=True),
+          "torchrun --standalone --nproc_per_node=2 runs/mispair.py", any_order=True, rel=F32),
 ]
 
 SKIPPED = {  # (README, how the block's first line starts): why it is not compared
@@ -371,9 +391,11 @@ def test_the_comparison_catches_what_it_must():
     one, printed = entry_and_text("01_single_gpu/README.md", "[01_single_gpu] device cpu")
     assert "train loss 0.0483 | 0.05s" in printed and "accuracy 97.10%" in printed, printed
     passes = {"as printed": printed, "the last digit one unit off": printed.replace("0.0483", "0.0484"),
-              "a duration": printed.replace("0.0483 | 0.05s", "0.0483 | 9.99s")}
-    fails = {"a loss two units off": printed.replace("0.0483", "0.0485"),
-             "an accuracy": printed.replace("97.10%", "97.30%"), "a word": printed.replace("held-out", "held-in"),
+              "a duration": printed.replace("0.0483 | 0.05s", "0.0483 | 9.99s"),
+              "another CPU's rounding (F32)": printed.replace("0.0483", "0.0486").replace("97.10%", "97.20%")}
+    fails = {"a loss 2% off (F32: 1%)": printed.replace("0.0483", "0.0493"),
+             "an accuracy 1.1 points off": printed.replace("97.10%", "98.20%"),
+             "a word": printed.replace("held-out", "held-in"),
              "a line missing": "\n".join(line for line in printed.splitlines() if not line.startswith("epoch 19/")),
              "two lines swapped": printed.replace("epoch 19/20", "SWAP").replace("epoch 20/20", "epoch 19/20")
                                          .replace("SWAP", "epoch 20/20")}
