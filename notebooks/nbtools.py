@@ -214,7 +214,7 @@ def show_diff(old_stage: str, new_stage: str, context: int = 1) -> None:
 def show_outline(stage: str) -> None:
     """The top-level functions and classes of a stage's train.py, with the first line of their docstring; of a GPT
     stage (a folder of files by concern), of each of its files in the order a reader meets them."""
-    order = ["dataset.py", "model.py", "parallelize.py", "context_parallel.py", "pipeline.py", "train.py",
+    order = ["dataset.py", "model.py", "grid.py", "parallelize.py", "context_parallel.py", "pipeline.py", "train.py",
              "evaluate.py", "checks.py", "reports.py"]
     files = sorted((ROOT / stage).glob("*.py"), key=lambda p: order.index(p.name) if p.name in order else len(order)) \
         if (ROOT / stage / "model.py").exists() else [ROOT / stage / "train.py"]
