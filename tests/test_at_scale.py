@@ -1,0 +1,156 @@
+"""at_scale/simulate.py: the simulation is the code.
+
+One rank of a job, simulated in this process (the fake process group, fake tensors, the shims its output lists), is
+what the same rank measures in a real gloo job of the same stage and layout, with the same counting
+(simulate.measure on real tensors): the bytes of its parameters, gradients and AdamW's moments exactly, the bytes it
+sends per collective and per dimension of the grid exactly (calls too), the FLOPs of its step exactly, and its
+activation peak (torch's MemTracker, FSDPMemTracker for FSDP2, on real tensors there) within 5%. Layouts: DDP,
+FSDP2, tp 2, pp 2, cp 2, and dp 2 x pp 2 x cp 2 x tp 2 on 16 ranks; every rank of each.
+
+The counting itself is checked against what the stage's design says, independently of the simulation: DDP's
+all-reduce hands over every gradient once (at W = 2, as many bytes as the weights), its state is 16 bytes a weight
+(weights, gradients, AdamW's two moments) plus AdamW's step counters, and tensor parallelism all-reduces six
+activations a block a micro-batch (TP_PLAN: two forward, four backward), the rest being the gradient norm's scalars.
+
+The real jobs are one forked launch per layout (tests/harness.py forked_ranks); the simulations run in-process.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import ROOT, check, forked_ranks, launch_commands, load_copy, time_limit
+
+SIMULATE = ROOT / "at_scale" / "simulate.py"
+MODEL = ("--layers", "2", "--width", "64", "--heads", "4", "--context", "32", "--vocab", "65")
+LAYOUTS = {
+    "ddp": ("--world", "2", "--accumulate", "2"),
+    "fsdp": ("--world", "2", "--parallel", "fsdp"),
+    "tp": ("--world", "2", "--parallel", "fsdp", "--tp", "2"),
+    "pp": ("--world", "2", "--parallel", "fsdp", "--pp", "2", "--accumulate", "2"),
+    "cp": ("--world", "2", "--cp", "2"),
+    "dp_pp_cp_tp": ("--world", "16", "--parallel", "fsdp", "--pp", "2", "--cp", "2", "--tp", "2", "--accumulate", "2"),
+}
+ACTIVATION_TOLERANCE = 0.05
+
+
+def world_of(layout: str) -> int:
+    flags = LAYOUTS[layout]
+    return int(flags[flags.index("--world") + 1])
+
+
+def checked_ranks(layout: str) -> list[int]:
+    """Every rank of a 2-rank job; of the 16-rank one, the first and last of each pipeline stage (the others differ
+    from those only in where they sit in dp, cp and tp: 1.5 s of simulation each)."""
+    world = world_of(layout)
+    return list(range(world)) if world <= 2 else [0, world // 2 - 1, world // 2, world - 1]
+
+
+def layout_worker(rank: int, world: int, store: str, out: str) -> None:
+    """One rank of the real job: the flags the test wrote (flags.json), the measurement simulate.py makes, on real
+    tensors in a gloo group; what it found in rank{R}.json."""
+    import torch.distributed as dist
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    simulate = load_copy(SIMULATE)
+    flags = json.loads(Path(out, "flags.json").read_text())
+    args = simulate.parse_args([*flags, "--rank", str(rank)], scratch=Path(out))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    result = simulate.measure(args, fake=False)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def simulate():
+    return load_copy(SIMULATE)
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    """Each layout's real job, launched once, on first use: every rank's measurement."""
+    done: dict[str, list[dict]] = {}
+
+    def of(layout: str) -> list[dict]:
+        if layout not in done:
+            out = tmp_path_factory.mktemp(layout)
+            (out / "flags.json").write_text(json.dumps([*MODEL, *LAYOUTS[layout]]))
+            done[layout] = forked_ranks("test_at_scale", "layout_worker", world_of(layout), out)
+        return done[layout]
+    return of
+
+
+def simulated(simulate, layout: str, rank: int, tmp: Path) -> dict:
+    return simulate.measure(simulate.parse_args([*MODEL, *LAYOUTS[layout], "--rank", str(rank)], scratch=tmp))
+
+
+def differences(sim: dict, real: dict) -> list[str]:
+    """What the simulation says differently from the real run, in words (empty: they agree)."""
+    found = []
+    for key in ("state_bytes", "sent", "flops", "coords"):
+        if sim[key] != real[key]:
+            found.append(f"{key}: simulated {sim[key]} | real {real[key]}")
+    a, b = sim["activation_peak_bytes"], real["activation_peak_bytes"]
+    if abs(a - b) > ACTIVATION_TOLERANCE * b:
+        found.append(f"activation peak: simulated {a:,} | real {b:,} bytes ({a / b - 1:+.1%})")
+    return found
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_simulation_measures_what_the_real_job_measures(simulate, real, layout, tmp_path):
+    reals = real(layout)
+    for rank in checked_ranks(layout):
+        measured, sim = reals[rank], simulated(simulate, layout, rank, tmp_path)
+        assert not differences(sim, measured), f"{layout}, rank {rank}:\n" + "\n".join(differences(sim, measured))
+        assert sim["assumed"] and not measured["assumed"]
+
+
+def test_ddp_hands_over_every_gradient_once_and_holds_16_bytes_a_weight(simulate, tmp_path):
+    """Independent of the simulation: at W = 2 a ring all-reduce sends 2 (W - 1) / W = 1 times the gradients' bytes,
+    and a DDP rank holds the weights, their gradients and AdamW's two moments, 4 bytes each a weight (float32), plus
+    AdamW's step counter for every parameter tensor (a float32 scalar)."""
+    sim = simulated(simulate, "ddp", 0, tmp_path)
+    weights, tensors = sim["parameters"], len(simulate.stage().GPT(simulate.stage().Config(**sim["model"]))
+                                                   .state_dict())
+    assert sim["sent_bytes_by_dimension"] == {"dp_cp": 4 * weights}, sim["sent"]
+    assert sim["state_bytes"] == {"parameters": 4 * weights, "gradients": 4 * weights,
+                                  "optimizer": 8 * weights + 4 * tensors, "total": 16 * weights + 4 * tensors}
+
+
+def test_tensor_parallel_all_reduces_six_activations_a_block(simulate, tmp_path):
+    """TP_PLAN (13_pipeline_4d/parallelize.py): per block and micro-batch, two all-reduces forward and four backward,
+    each of an activation [micro-batch, context, width] in float32; at tp = 2 a ring sends its bytes once. One more
+    all-reduce over tp, the gradient norm's: a float32 square norm for each weight and bias the plan splits."""
+    sim = simulated(simulate, "tp", 0, tmp_path)
+    m, split = sim["model"], len(simulate.stage().parallelize.__globals__["TP_PLAN"]) * 2  # a weight and a bias each
+    (row,) = [r for r in sim["sent"] if r["dimension"] == "tp"]
+    activations = 6 * m["layers"] * sim["accumulate"]
+    expected = activations * sim["micro_batch"] * m["context"] * m["width"] * 4 + 4 * split * m["layers"]
+    assert (row["kind"], row["calls"]) == ("all_reduce", activations + 1), row
+    assert row["tensor_bytes"] == row["sent_bytes"] == expected, row
+
+
+def test_a_wrong_shim_is_seen(simulate, real, tmp_path):
+    """The comparison's own control: a simulation whose DDP comm hook all-reduces half of each bucket runs, and
+    disagrees with the real job."""
+    text = SIMULATE.read_text()
+    old = "dist.all_reduce(buffer, group=group)"
+    assert text.count(old) == 1
+    copy = tmp_path / "simulate.py"
+    copy.write_text(text.replace(old, "dist.all_reduce(buffer[: buffer.numel() // 2], group=group)"))
+    wrong = load_copy(copy)
+    sim = wrong.measure(wrong.parse_args([*MODEL, *LAYOUTS["ddp"], "--rank", "0"], scratch=tmp_path))
+    assert [line.split(":")[0] for line in differences(sim, real("ddp")[0])] == ["sent"]
+
+
+def test_the_command_writes_its_json_and_table(tmp_path):
+    out = tmp_path / "out"
+    run = check(launch_commands([[sys.executable, str(SIMULATE), *MODEL, *LAYOUTS["fsdp"], "--rank", "1", "--out",
+                                  str(out)]], timeout=time_limit()))
+    result = json.loads((out / "simulate.json").read_text())
+    assert result["rank"] == 1 and result["coords"]["dp"] == 1 and math.isfinite(result["flops"])
+    assert "held by this rank" in run.stdout and "reduce_scatter" in run.stdout
