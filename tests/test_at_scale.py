@@ -109,22 +109,35 @@ def test_the_simulation_measures_what_the_real_job_measures(simulate, real, layo
         assert sim["assumed"] and not measured["assumed"]
 
 
+def step_flops(sim: dict, tp: int = 1) -> int:
+    """The FLOPs of a rank's step as torch's FlopCounterMode counts them, from the model's shape: 2 a multiply-add,
+    a matmul's backward twice its forward (6 per weight and token; the blocks' 12 w^2 weights split over tp, the head's
+    w x vocab whole, the embeddings looked up), and the attention's scores and weighted sum 4 b t^2 w forward and 10
+    backward (which computes the scores again), its heads split over tp."""
+    m, b = sim["model"], sim["micro_batch"]
+    tokens = b * m["context"] * sim["accumulate"]
+    matmul_weights = m["layers"] * 12 * m["width"] ** 2 // tp + m["width"] * m["vocab"]
+    return 6 * matmul_weights * tokens + 14 * m["layers"] * sim["accumulate"] * b * m["context"] ** 2 * m["width"] // tp
+
+
 def test_ddp_hands_over_every_gradient_once_and_holds_16_bytes_a_weight(simulate, tmp_path):
     """Independent of the simulation: at W = 2 a ring all-reduce sends 2 (W - 1) / W = 1 times the gradients' bytes,
     and a DDP rank holds the weights, their gradients and AdamW's two moments, 4 bytes each a weight (float32), plus
-    AdamW's step counter for every parameter tensor (a float32 scalar)."""
+    AdamW's step counter for every parameter tensor (a float32 scalar); its FLOPs are the model's (step_flops)."""
     sim = simulated(simulate, "ddp", 0, tmp_path)
     weights, tensors = sim["parameters"], len(simulate.stage().GPT(simulate.stage().Config(**sim["model"]))
                                                    .state_dict())
     assert sim["sent_bytes_by_dimension"] == {"dp_cp": 4 * weights}, sim["sent"]
     assert sim["state_bytes"] == {"parameters": 4 * weights, "gradients": 4 * weights,
                                   "optimizer": 8 * weights + 4 * tensors, "total": 16 * weights + 4 * tensors}
+    assert sim["flops"] == step_flops(sim)
 
 
 def test_tensor_parallel_all_reduces_six_activations_a_block(simulate, tmp_path):
     """TP_PLAN (13_pipeline_4d/parallelize.py): per block and micro-batch, two all-reduces forward and four backward,
     each of an activation [micro-batch, context, width] in float32; at tp = 2 a ring sends its bytes once. One more
-    all-reduce over tp, the gradient norm's: a float32 square norm for each weight and bias the plan splits."""
+    all-reduce over tp, the gradient norm's: a float32 square norm for each weight and bias the plan splits. And the
+    rank computes its share of the blocks: its FLOPs are of its pieces, not of the whole tensors."""
     sim = simulated(simulate, "tp", 0, tmp_path)
     m, split = sim["model"], len(simulate.stage().parallelize.__globals__["TP_PLAN"]) * 2  # a weight and a bias each
     (row,) = [r for r in sim["sent"] if r["dimension"] == "tp"]
@@ -132,6 +145,7 @@ def test_tensor_parallel_all_reduces_six_activations_a_block(simulate, tmp_path)
     expected = activations * sim["micro_batch"] * m["context"] * m["width"] * 4 + 4 * split * m["layers"]
     assert (row["kind"], row["calls"]) == ("all_reduce", activations + 1), row
     assert row["tensor_bytes"] == row["sent_bytes"] == expected, row
+    assert sim["flops"] == step_flops(sim, tp=2)  # this rank's halves of the blocks' matmuls and heads
 
 
 def test_a_wrong_shim_is_seen(simulate, real, tmp_path):
