@@ -63,6 +63,7 @@ def parse_args(argv: list[str] | None = None, scratch: Path | None = None) -> ar
     p.add_argument("--tp", type=positive(int), default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=positive(int), default=1, help="pipeline stages")
     p.add_argument("--cp", type=positive(int), default=1, help="context-parallel degree")
+    p.add_argument("--pp-schedule", choices=["gpipe", "1f1b"], default="1f1b", help="the pipeline's schedule")
     p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
                    help="over the dp x cp ranks: a replica each (DDP) or a shard each (FSDP2)")
     p.add_argument("--micro-batch", type=positive(int), default=1, help="sequences per micro-batch per dp rank")
@@ -105,7 +106,8 @@ def stage_args(args: argparse.Namespace, data: Path, p: ArgumentParser) -> argpa
     """The stage's parse_args on the stage's flags at --world ranks: its checks refuse a layout it cannot run (a
     degree that does not divide the world or the heads, fewer blocks than stages, ...); their line is said here."""
     flags = ["--layers", args.layers, "--width", args.width, "--heads", args.heads, "--context", args.context,
-             "--tp", args.tp, "--pp", args.pp, "--cp", args.cp, "--parallel", args.parallel,
+             "--tp", args.tp, "--pp", args.pp, "--pp-schedule", args.pp_schedule, "--cp", args.cp,
+             "--parallel", args.parallel,
              "--batch-size", args.micro_batch, "--accumulate", args.accumulate, "--device", "cpu", "--sample", "0",
              "--data", data]
     err = io.StringIO()
@@ -528,7 +530,7 @@ def show(result: dict) -> None:
           f"{result['accumulate']} per dp rank, {result['tokens_per_step']:,} tokens a step")
     print_table([["held by this rank", "MiB"], *[[k, f"{v / MiB:,.2f}"] for k, v in state.items()],
                  [f"activation peak ({result['memory_tracker']})", f"{result['activation_peak_bytes'] / MiB:,.2f}"]]
-                + ([["of which held after the step", f"{result['held_after_step_bytes'] / MiB:,.2f}"]]
+                + ([["still held after the step", f"{result['held_after_step_bytes'] / MiB:,.2f}"]]
                    if result["held_after_step_bytes"] else []))
     print()
     print_table([["collective", "dimension", "calls", "tensor MiB", "sent MiB"], *[

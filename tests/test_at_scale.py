@@ -5,7 +5,7 @@ what the same rank measures in a real gloo job of the same stage and layout, wit
 (simulate.measure on real tensors): the bytes of its parameters, gradients and AdamW's moments exactly, the bytes it
 sends per collective and per dimension of the grid exactly (calls too), the FLOPs of its step exactly, and its
 activation peak (torch's MemTracker, FSDPMemTracker for FSDP2, on real tensors there) within 5%. Layouts: DDP,
-FSDP2, tp 2, pp 2, cp 2, and dp 2 x pp 2 x cp 2 x tp 2 on 16 ranks; every rank of each.
+FSDP2, tp 2, pp 2 (GPipe), cp 2, and dp 2 x pp 2 x cp 2 x tp 2 (1F1B) on 16 ranks.
 
 The counting itself is checked against what the stage's design says, independently of the simulation: DDP's
 all-reduce hands over every gradient once (at W = 2, as many bytes as the weights), its state is 16 bytes a weight
@@ -32,7 +32,7 @@ LAYOUTS = {
     "ddp": ("--world", "2", "--accumulate", "2"),
     "fsdp": ("--world", "2", "--parallel", "fsdp"),
     "tp": ("--world", "2", "--parallel", "fsdp", "--tp", "2"),
-    "pp": ("--world", "2", "--parallel", "fsdp", "--pp", "2", "--accumulate", "2"),
+    "pp": ("--world", "2", "--parallel", "fsdp", "--pp", "2", "--pp-schedule", "gpipe", "--accumulate", "3"),
     "cp": ("--world", "2", "--cp", "2"),
     "dp_pp_cp_tp": ("--world", "16", "--parallel", "fsdp", "--pp", "2", "--cp", "2", "--tp", "2", "--accumulate", "2"),
 }

@@ -538,7 +538,8 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
 TOOLS = sorted(str(p.relative_to(ROOT).with_suffix("")) for p in [ROOT / "10_pipeline_parallel" / "by_hand.py",
                                                                    *ROOT.glob("ddp_by_hand/*.py"),
                                                                    *ROOT.glob("zero_by_hand/*.py"),
-                                                                   *ROOT.glob("benchmarks/*.py")])
+                                                                   *ROOT.glob("benchmarks/*.py"),
+                                                                   *ROOT.glob("at_scale/*.py")])
 # The flags every stage has, as the stages' own table gives them (without --device cuda, which depends on the machine).
 CONTRACT = {args: flag for args, flag in bad_values("01_single_gpu").items() if args != ("--device", "cuda")}
 TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
@@ -610,6 +611,18 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
                             ("--seed", "x"): "--seed", ("--check-epochs", "0"): "--check-epochs",
                             ("--no-check=1",): "--no-check", ("--timeout", "0"): "--timeout",
                             ("--out", "{file}/sub"): "--out"},
+    # Its layout is checked by stage 13's own parse_args at --world ranks (default 2; width 64, 4 heads, 2 layers).
+    "at_scale/simulate": {("--layers", "0"): "--layers", ("--width", "0"): "--width",
+                          ("--heads", "3"): "--heads",  # 3 does not divide the width
+                          ("--context", "30", "--cp", "2"): "--context",  # zigzag cuts it into 4 chunks
+                          ("--vocab", "0"): "--vocab", ("--world", "0"): "--world",
+                          ("--tp", "2"): "--tp",  # under DDP (tp runs with FSDP2)
+                          ("--pp", "3"): "--pp", ("--pp-schedule", "zb"): "--pp-schedule",
+                          ("--cp", "3"): "--cp", ("--parallel", "zero"): "--parallel",
+                          ("--micro-batch", "0"): "--micro-batch", ("--accumulate", "0"): "--accumulate",
+                          ("--rank", "2"): "--rank",  # not a rank of --world 2
+                          ("--experts", "8"): "--experts", ("--ep", "2"): "--ep",  # stage 14's: not yet
+                          ("--out", "{file}/sub"): "--out"},
     # Its --nanogpt is checked last: the other cases need no nanoGPT checkout (CI has none).
     "benchmarks/vs_nanogpt": {("--nanogpt", "{tmp}"): "--nanogpt", ("--quick=1",): "--quick",
                               ("--out", "{file}/sub"): "--out", ("--timeout", "0"): "--timeout"},

@@ -189,6 +189,33 @@ PRIVATE_ALLOWED = {
        "DDP's bucket sizes as DDP built them: public only to a comm hook (GradBucket), and registering one would "
        "replace the built-in all-reduce that the script measures or shows"
        for script in ("recipes/compile", "recipes/ddp_options", "ddp_by_hand/overlap")},
+    # at_scale/simulate.py runs stage 13's code on torch's fake process group and fake tensors: torch's own tools for
+    # that are private, and so are the few places where the fake group cannot carry the code (each said in its output).
+    ("at_scale/simulate", "torch._subclasses"): "FakeTensorMode (tensors with a shape and no memory) and "
+                                                "unset_fake_temporarily: no public module has them",
+    ("at_scale/simulate", "torch.testing._internal"): "FakeStore, whose import registers the \"fake\" backend: the "
+                                                      "fake process group has no public module",
+    ("at_scale/simulate", "torch.distributed._tools"): "MemTracker and FSDPMemTracker (memory by kind, fake tensors "
+                                                       "too) and the table of c10d collective ops: no public ones",
+    ("at_scale/simulate", "torch.utils._python_dispatch"): "TorchDispatchMode, which sees every c10d op whoever calls "
+                                                           "it (DDP's reducer, FSDP2); no public module has it",
+    ("at_scale/simulate", "torch.distributed.pipelining._utils"):
+        "the classes a pipeline stage sends its neighbour its shapes in: the simulation makes what the neighbour, "
+        "absent, would send",
+    ("at_scale/simulate", "._warmup_p2p"): "the pipeline's first-step vote between stages, run on real tensors (fake "
+                                           "ones have no values to vote with)",
+    ("at_scale/simulate", "torch.nn.parallel.distributed._verify_param_shape_across_processes"):
+        "DDP's constructor's check that all ranks' shapes agree, skipped: a rank alone has none to compare, and the "
+        "check reads tensor values fake tensors have not",
+    ("at_scale/simulate", "._WINFO"): "which storages the memory tracker has seen allocated: memory it never saw "
+                                      "allocated (DDP's buckets, gloo's own buffers) is left out of the step's peak",
+    ("at_scale/simulate", "._clear_sharding_prop_cache"):
+        "DTensor's cache of sharding decisions, keyed by mesh: one simulation's meshes equal the next one's in a "
+        "process, and would hand it the previous one's process groups",
+    ("at_scale/simulate", "._scaled_dot_product_flash_attention_for_cpu"):
+        "the CPU's attention kernel, which FlopCounterMode leaves uncounted: counted as torch counts its GPU kernels",
+    ("at_scale/simulate", "._run_step"): "the stage's own training step (Trainer._run_step, what its train() calls): "
+                                         "the simulation runs that step",
 }
 PRIVATE = re.compile(r"\b(?:torch|dist)(?:\.[A-Za-z]\w*)*\._[A-Za-z]\w*|\._type\(\)|\.unbox\(")
 # Names with a leading underscore that the standard library documents as public.
@@ -197,7 +224,8 @@ PUBLIC_UNDERSCORED = {"_exit",  # os._exit
 # Every script a reader runs: the stages, the recipes, and the tools beside them.
 PRIVATE_SCANNED = [*STAGES, *RECIPES, *sorted(str(p.relative_to(ROOT).with_suffix("")) for p in [
     ROOT / "10_pipeline_parallel" / "by_hand.py", *ROOT.glob("ddp_by_hand/*.py"), *ROOT.glob("zero_by_hand/*.py"),
-    *ROOT.glob("benchmarks/*.py"), *ROOT.glob("collectives/*.py"), *ROOT.glob("tools/*.py")])]
+    *ROOT.glob("benchmarks/*.py"), *ROOT.glob("collectives/*.py"), *ROOT.glob("tools/*.py"),
+    *ROOT.glob("at_scale/*.py")])]
 
 
 def private_names(source: str) -> set[str]:
