@@ -137,9 +137,9 @@ ASSUMED = {
     "ddp_hook": "DDP all-reduces each bucket from a comm hook that does what its built-in one does (divide by the "
                 "group's size, all-reduce the bucket): the fake group's work carries no result, which the built-in "
                 "one needs",
-    "ddp_buckets": "DDP keeps the buckets it starts with; a real one rebuilds them at its second step in the order "
-                   "the gradients arrived, broadcast from rank 0: the same gradients, perhaps cut into other "
-                   "buckets, the same bytes",
+    "ddp_buckets": "DDP keeps the bucket it starts with, every gradient in one (as it starts when it need not find "
+                   "unused parameters); a real one rebuilds its buckets at its second step, 25 MiB each (the first "
+                   "1 MiB) in the order the gradients arrived, broadcast from rank 0: the same bytes, in more calls",
     "pp_shapes": "the pipeline's first step learns from its neighbours what they send (a vote, then the shapes): the "
                  "vote runs on real tensors, and what a neighbour sends is what pipeline.py says passes between "
                  "stages, the residual stream: [micro-batch, context / cp, width], float32",
