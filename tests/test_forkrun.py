@@ -335,6 +335,7 @@ def differences(real: dict, forked: dict, server: dict) -> list[str]:
     """How a forked rank's start differs from a real one's, beyond the two differences a fork must have (the hash
     seed, and the server's modules, which must include the fresh process's). What each process draws (DRAWN) is
     compared across processes by the caller."""
+    real, forked = (descriptors_unnumbered(record) for record in (real, forked))
     found = [f"{key}: {real[key]!r} under the real launcher, {forked[key]!r} forked" for key in real
              if key not in ("env", "modules", *DRAWN) and real[key] != forked.get(key)]
     env_r, env_f = real["env"], forked["env"]
@@ -350,6 +351,15 @@ def differences(real: dict, forked: dict, server: dict) -> list[str]:
     if extra := sorted(set(forked["modules"]) - set(real["modules"]) - set(server["modules"])):
         found.append(f"modules a forked rank has that neither a fresh process nor the server imported: {extra[:5]}")
     return found
+
+
+def descriptors_unnumbered(record: dict) -> dict:
+    """`record` with the descriptor numbers in an mp.spawn child's command line (`spawn_main(tracker_fd=6,
+    pipe_handle=10)`) left out: they are whichever numbers were free in its parent, a real process or a forked rank
+    (seen: 6 and 10 in one, others in the other, on one CI run). Whether the child finds its pipes at those numbers is
+    what its run checks: it reads its task from them."""
+    argv = [re.sub(r"\b(tracker_fd|pipe_handle)=\d+", r"\1=N", a) for a in record.get("orig_argv", [])]
+    return {**record, "orig_argv": argv} if "orig_argv" in record else record
 
 
 def server_record() -> dict:
