@@ -31,9 +31,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-# The files beside this one (`python train.py` puts its folder first on sys.path). checks.py and reports.py hold
-# what only the tests and the reports need (flag and checkpoint checks; memory, MFU, --out): each `checks.` and
-# `reports.` below is not the lesson; leave them out of your project.
+# The files beside this one (`python train.py` puts its folder first on sys.path). checks.py refuses bad flags and
+# checkpoints in one line and names a checkpoint's files; reports.py measures (memory, MFU) and writes --out. Each
+# `checks.` and `reports.` below is theirs, not the lesson's.
 import checks
 import reports
 from context_parallel import ContextParallel
