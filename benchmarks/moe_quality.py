@@ -23,6 +23,7 @@ benchmarks/moe_dense.csv (tests/test_experts.py checks that they are).
 """
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -67,11 +68,17 @@ def balance_row(summary: dict, first: int, last: int) -> dict:
             "aux_loss_last": experts["aux_losses"][-1], "eval_loss": summary["eval_loss"]}
 
 
+@functools.cache
+def experts_stage():
+    """Stage 14's train.py and its files, imported once (load_stage imports them afresh at every call)."""
+    return load_stage("14_experts")
+
+
 def dense_row(summary: dict, model: str, top_k: int, seed: int) -> dict:
     """A run's row; its active parameters counted by stage 14's own `parameters` (k of the E experts' weights)."""
     active = summary["parameters"]
     if "experts" in summary["model"]:
-        stage = load_stage("14_experts")
+        stage = experts_stage()
         active = stage.parameters(stage.Config(**summary["model"]))[1]
     return {"model": model, "top_k": top_k, "seed": seed, "steps": summary["steps"],
             "parameters": summary["parameters"], "active": active, "train_seconds": summary["train_seconds"],
