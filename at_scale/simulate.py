@@ -1,10 +1,12 @@
-"""One rank of a training job of any size, simulated in one process by stage 13's own code at a real model's shape.
+"""One rank of a training job of any size, simulated in one process by stage 13's or 14's own code at a real shape.
 
     python at_scale/simulate.py --layers 126 --width 16384 --heads 128 --context 8192 --vocab 128256 \\
         --world 16384 --tp 8 --pp 16 --parallel fsdp --micro-batch 1 --accumulate 16 --rank 0 --out runs/405b
 
 Stage 13's train.py (13_pipeline_4d/: its GPT, grid of process groups, parallelize, pipeline, context parallelism and
-Trainer), unchanged, builds the chosen rank's part of the model and runs its training step. Nothing of that size
+Trainer), unchanged, builds the chosen rank's part of the model and runs its training step; with --experts, stage
+14's (14_experts/: the same GPT with a mixture of experts in every block, the experts shared out over --ep ranks;
+stage 14 always has experts, a router even at one, so the dense GPT stays stage 13's). Nothing of that size
 exists: the process group is torch's fake one (every collective returns at once and moves nothing) and every tensor
 is a fake tensor (a shape, a dtype and a device, no memory), so one rank of a 405-billion-parameter job of 16,384
 ranks runs on a laptop. What that rank holds and does is measured from the live code, in the second step (the first
@@ -43,7 +45,8 @@ sys.path.insert(0, str(ROOT))  # the repository root: tools/ and tour.py
 from tools.cli import ArgumentParser, off_rank_bytes, positive, print_table  # noqa: E402
 from tour import load_stage  # noqa: E402
 
-STAGE = "13_pipeline_4d"
+STAGE = "13_pipeline_4d"  # the dense GPT
+EXPERTS_STAGE = "14_experts"  # stage 13's GPT with a mixture of experts in every block (--experts)
 VOCAB = 65  # tiny Shakespeare's characters: the stages' own vocabulary
 # Characters a made-up text can use: every Unicode code point from the space up, but the surrogates (not UTF-8).
 CHARACTERS = 0x110000 - 32 - 2048
@@ -52,7 +55,7 @@ CHARACTERS = 0x110000 - 32 - 2048
 def parse_args(argv: list[str] | None = None, scratch: Path | None = None) -> argparse.Namespace:
     """The simulation's flags, then the stage's own checks of the layout (its parse_args, at --world ranks), each
     refusal one line in this script's name. `scratch`: where the made-up text goes (default: a temporary folder,
-    removed at exit). args.stage holds the stage's own arguments."""
+    removed at exit). args.stage holds the stage's own arguments, args.stage_name the stage that runs."""
     p = ArgumentParser(prog="at_scale/simulate.py", description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=positive(int), default=2, help="transformer blocks")
     p.add_argument("--width", type=positive(int), default=64, help="size of the residual stream")
@@ -70,14 +73,18 @@ def parse_args(argv: list[str] | None = None, scratch: Path | None = None) -> ar
     p.add_argument("--accumulate", type=positive(int), default=1,
                    help="micro-batches per step (under --pp, the pipeline's)")
     p.add_argument("--rank", type=int, default=0, help="the rank simulated, 0 to --world - 1")
-    p.add_argument("--experts", type=positive(int), help="experts per block (stage 14): not yet")
-    p.add_argument("--ep", type=positive(int), help="expert-parallel degree (stage 14): not yet")
+    p.add_argument("--experts", type=positive(int),
+                   help="experts per block: stage 14's mixture of experts (default: none, stage 13's dense GPT)")
+    p.add_argument("--top-k", type=positive(int), help="the experts each token goes to (with --experts; default 2)")
+    p.add_argument("--ep", type=positive(int),
+                   help="expert-parallel degree: dp x cp ranks that share out the experts (with --experts; default 1)")
     p.add_argument("--out", type=Path, help="write simulate.json here")
     args = p.parse_args(argv)
-    for flag in ("experts", "ep"):
-        if getattr(args, flag) is not None:
-            p.error(f"argument --{flag}: not yet: the simulation runs stage 13's dense GPT; stage 14's experts "
-                    f"(their routing depends on the data) come in a later step")
+    for flag in ("top_k", "ep"):
+        if getattr(args, flag) is not None and args.experts is None:
+            p.error(f"argument --{flag.replace('_', '-')}: needs --experts (without it the simulation runs stage "
+                    f"13's dense GPT, which has no experts)")
+    args.stage_name = STAGE if args.experts is None else EXPERTS_STAGE
     if args.vocab > CHARACTERS:
         p.error(f"argument --vocab: at most {CHARACTERS:,} (the characters of the made-up text), got {args.vocab:,}")
     if not 0 <= args.rank < args.world:
@@ -110,19 +117,21 @@ def stage_args(args: argparse.Namespace, data: Path, p: ArgumentParser) -> argpa
              "--parallel", args.parallel,
              "--batch-size", args.micro_batch, "--accumulate", args.accumulate, "--device", "cpu", "--sample", "0",
              "--data", data]
+    if args.experts is not None:  # stage 14's flags; its checks: k at most E, ep dividing E and the dp x cp ranks
+        flags += ["--experts", args.experts, "--top-k", args.top_k or 2, "--ep", args.ep or 1]
     err = io.StringIO()
     with mock.patch.dict(os.environ, {"WORLD_SIZE": str(args.world)}), contextlib.redirect_stderr(err):
         try:
-            return stage().parse_args([str(f) for f in flags])
+            return stage(args.stage_name).parse_args([str(f) for f in flags])
         except SystemExit:
             pass
     p.error(err.getvalue().strip().split(": error: ", 1)[-1].replace("--batch-size", "--micro-batch"))
 
 
 @functools.cache
-def stage() -> ModuleType:
-    """Stage 13's train.py as a module, with the files beside it (tour.load_stage)."""
-    return load_stage(STAGE)
+def stage(name: str = STAGE) -> ModuleType:
+    """A stage's train.py as a module, with the files beside it (tour.load_stage): stage 13's, or 14's."""
+    return load_stage(name)
 
 
 # ─── The shims: what the fake process group and fake tensors cannot carry ─────────────────────────────────────────
@@ -140,6 +149,10 @@ ASSUMED = {
     "ddp_buckets": "DDP keeps the bucket it starts with, every gradient in one (as it starts when it need not find "
                    "unused parameters); a real one rebuilds its buckets at its second step, 25 MiB each (the first "
                    "1 MiB) in the order the gradients arrived, broadcast from rank 0: the same bytes, in more calls",
+    "even_load": "the experts' load is even (the router's choices are data, which fake tensors do not hold): each "
+                 "MoE layer's counts of rows per expert (torch.bincount) are this rank's tokens x k shared out evenly "
+                 "over the E experts (the first ones one more where E does not divide them), and under ep every rank "
+                 "of the group routes as this one, so each sends every other rank an even share",
     "pp_shapes": "the pipeline's first step learns from its neighbours what they send (a vote, then the shapes): the "
                  "vote runs on real tensors, and what a neighbour sends is what pipeline.py says passes between "
                  "stages, the residual stream: [micro-batch, context / cp, width], float32",
@@ -202,10 +215,73 @@ def simulated(args: argparse.Namespace) -> Iterator[None]:
         yield
 
 
-def shims_used(a: argparse.Namespace) -> list[str]:
-    """What ASSUMED says for the shims a run of the stage's arguments `a` goes through."""
+@contextlib.contextmanager
+def even_routing(fake: bool) -> Iterator[None]:
+    """ASSUMED["even_load"], for the duration of the block: torch.bincount (what experts.py counts each expert's rows
+    with) returns the even counts, as a real tensor. In a simulation (fake) these are then the one real values in the
+    step, and routing_counts() keeps them real through the ops on them (the all-to-all's split sizes, each expert's rows
+    are read from them)."""
+    import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def even_counts(x: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0) -> torch.Tensor:
+        if weights is not None or minlength < 1:
+            raise NotImplementedError("the even load is of the counts of rows per expert: bincount(x, minlength=E)")
+        share, extra = divmod(x.numel(), minlength)
+        with unset_fake_temporarily():  # (a no-op outside fake tensors)
+            counts = torch.tensor([share + (e < extra) for e in range(minlength)], device=x.device)
+        if fake:
+            routing.known[counts] = True
+        return counts
+
+    routing = routing_counts() if fake else None
+    with mock.patch.object(torch, "bincount", even_counts), routing or contextlib.nullcontext():
+        yield
+
+
+def routing_counts():
+    """A dispatch mode, just above fake tensors: an op whose tensors are all real, one of them the even counts (or made
+    from them), runs on them, for real, and its result is known too; every other op goes on to fake tensors. So the
+    counts' sums (the all-to-alls' split sizes), the rows each expert receives, the order of the rows (an index into
+    fake rows) are real values, as in a real run. The all-to-all of the counts over ep, which the fake process group
+    leaves unfilled, is filled as the even load has it: every rank of the group sends this rank what it sends itself
+    (its counts for this rank's experts)."""
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+    from torch.distributed._tools.fake_collectives import CollectiveOp
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    def tensors_in(x) -> list:  # (an op's arguments and results: tensors, in lists and tuples too)
+        if isinstance(x, (list, tuple)):
+            return [t for item in x for t in tensors_in(item)]
+        return [x] if isinstance(x, torch.Tensor) else []
+
+    class RoutingCounts(TorchDispatchMode):
+        known = WeakIdKeyDictionary()  # the real tensors among the fake ones: the counts, and what is made of them
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            tensors = tensors_in([*args, *(kwargs or {}).values()])
+            if not any(t in self.known for t in tensors) or any(isinstance(t, FakeTensor) for t in tensors):
+                return func(*args, **(kwargs or {}))
+            with unset_fake_temporarily():
+                out = func(*args, **(kwargs or {}))
+                if func.name() == "c10d::alltoall_base_":  # (output, input, group, ...): an even exchange
+                    group = CollectiveOp.get_process_group(func, args)
+                    received, sent = args[0], args[1]
+                    received.view(group.size(), -1).copy_(sent.view(group.size(), -1)[group.rank()])
+            for t in tensors_in(out):
+                self.known[t] = True
+            return out
+
+    return RoutingCounts()
+
+
+def shims_used(a: argparse.Namespace, moe: bool) -> list[str]:
+    """What ASSUMED says for the shims a run of the stage's arguments `a` goes through (moe: stage 14's)."""
     used = {"to", "mesh"} | ({"ddp_verify", "ddp_hook", "ddp_buckets"} if a.parallel == "ddp" else set()) | \
-        ({"pp_shapes"} if a.pp > 1 else set())
+        ({"pp_shapes"} if a.pp > 1 else set()) | ({"even_load"} if moe else set())
     return [text for key, text in ASSUMED.items() if key in used]
 
 
@@ -452,44 +528,51 @@ def cpu_attention_flops() -> dict:
 WARM_UP = {"ddp": 2, "fsdp": 1}
 
 
-def measure(args: argparse.Namespace, fake: bool = True) -> dict:
+def measure(args: argparse.Namespace, fake: bool = True, even_load: bool = True) -> dict:
     """The chosen rank's step, measured. fake: in a fake process group this function starts and ends (the
     simulation); else in the process group the caller started (a real gloo job: the tests' reference), where
-    args.rank is this process's rank."""
+    args.rank is this process's rank. even_load (stage 14): the experts' load made even (ASSUMED["even_load"]); a
+    real job can also run with its router's own load (False), a simulation cannot."""
     import torch.distributed as dist
     import torch.distributed.tensor.debug as dtensor_debug
-    if not fake:
-        return measured_step(args, fake)
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # (importing it makes the "fake" backend)
-    dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
+    if fake and not even_load:
+        raise ValueError("a simulation's experts need the even load: fake tensors carry no routing")
+    if fake:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # (importing it makes the "fake" backend)
+        dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
     try:
-        return measured_step(args, fake)
+        return measured_step(args, fake, even_load)
     finally:
-        dist.destroy_process_group()
+        if fake:
+            dist.destroy_process_group()
         # DTensor caches its sharding decisions by mesh, and this run's meshes equal the next run's in this process:
-        # the next would use this one's process groups, gone.
+        # the next would use this one's process groups (gone, or not the ones its grid names).
         dtensor_debug._clear_sharding_prop_cache()
 
 
-def measured_step(args: argparse.Namespace, fake: bool) -> dict:
+def measured_step(args: argparse.Namespace, fake: bool, even: bool) -> dict:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.flop_counter import FlopCounterMode
 
-    s, a = stage(), args.stage
+    s, a, moe = stage(args.stage_name), args.stage, args.experts is not None
     start = time.perf_counter()
     device = torch.device("cpu")
-    # As the stage's main() makes them: the grid of process groups, this rank's place in its cp group and pipeline.
-    grid = s.Grid({"pp": a.pp, "dp": args.world // (a.pp * a.cp * a.tp), "cp": a.cp, "tp": a.tp}, device, a.timeout)
+    # As the stage's main() makes them: the grid of process groups, this rank's place in its cp group and pipeline
+    # (and in stage 14, among the ranks that share out the experts: its ExpertParallel, passed on after cp).
+    sizes = {"pp": a.pp, "dp": args.world // (a.pp * a.cp * a.tp), "cp": a.cp, "tp": a.tp}
+    grid = s.Grid(sizes, a.ep, device, a.timeout) if moe else s.Grid(sizes, device, a.timeout)
     cp = s.ContextParallel(grid.group("cp"), a.cp_impl, zigzag=not a.no_zigzag)
+    ep = [s.ExpertParallel(grid.group("ep"), grid.group("ep_replicas"), device)] if moe else []
     pipe = s.Pipeline(grid.group("pp"), a.width, s.DTYPES[a.dtype])
     corpus = s.load_corpus(a.data)
-    with simulated(args) if fake else contextlib.nullcontext():
-        cfg, model, optimizer = s.load_train_objs(a, corpus, device, grid, cp, pipe)
+    routing = even_routing(fake) if moe and even else contextlib.nullcontext()
+    with simulated(args) if fake else contextlib.nullcontext(), routing:
+        cfg, model, optimizer = s.load_train_objs(a, corpus, device, grid, cp, *ep, pipe)
         if fake and isinstance(model, DDP):
             model.register_comm_hook(grid.group("dp_cp"), all_reduce_hook)
             model.reducer = KeptBuckets(model.reducer)
-        trainer = s.Trainer(model, optimizer, corpus, cfg, a, grid, cp, pipe, device, None)
+        trainer = s.Trainer(model, optimizer, corpus, cfg, a, grid, cp, *ep, pipe, device, None)
         built = time.perf_counter()
         for _ in range(WARM_UP[a.parallel]):
             trainer._run_step()
@@ -507,15 +590,18 @@ def measured_step(args: argparse.Namespace, fake: bool) -> dict:
     by_dimension: dict[str, float] = {}
     for row in sent:
         by_dimension[row["dimension"]] = by_dimension.get(row["dimension"], 0.0) + row["sent_bytes"]
+    total, active = s.parameters(cfg) if moe else (s.parameters(cfg),) * 2
     return {
-        "stage": STAGE, "rank": args.rank, "world": args.world, "coords": grid.coords, "sizes": grid.sizes,
-        "model": cfg._asdict(), "parameters": s.parameters(cfg), "parallel": a.parallel,
+        "stage": args.stage_name, "rank": args.rank, "world": args.world, "coords": grid.coords, "sizes": grid.sizes,
+        "ep": a.ep if moe else None, "model": cfg._asdict(), "parameters": total, "active_parameters": active,
+        "parallel": a.parallel,
         "micro_batch": a.batch_size, "accumulate": a.accumulate, "tokens_per_step": trainer.global_batch * cfg.context,
         "state_bytes": {**state, "total": sum(state.values())},
         "activation_peak_bytes": tracker.transient_peak, "held_after_step_bytes": held,
         "at_activation_peak": tracker.at_peak, "memory_tracker": type(tracker).__mro__[1].__name__,
         "sent": sent, "sent_bytes_by_dimension": by_dimension, "flops": flops.get_total_flops(),
-        "assumed": shims_used(a) if fake else [], "seconds": {"build": built - start, "steps": end - built},
+        "assumed": shims_used(a, moe) if fake else [ASSUMED["even_load"]] if moe and even else [],
+        "seconds": {"build": built - start, "steps": end - built},
     }
 
 
@@ -528,6 +614,9 @@ def show(result: dict) -> None:
     print(f"model: {m['layers']} blocks, width {m['width']}, {m['heads']} heads, context {m['context']}, vocabulary "
           f"{m['vocab']:,}: {result['parameters']:,} parameters | micro-batch {result['micro_batch']} x "
           f"{result['accumulate']} per dp rank, {result['tokens_per_step']:,} tokens a step")
+    if result["ep"] is not None:
+        print(f"experts: {m['experts']} a block, each token to {m['top_k']} ({result['active_parameters']:,} "
+              f"parameters used by a token) | ep {result['ep']}: {m['experts'] // result['ep']} a rank")
     print_table([["held by this rank", "MiB"], *[[k, f"{v / MiB:,.2f}"] for k, v in state.items()],
                  [f"activation peak ({result['memory_tracker']})", f"{result['activation_peak_bytes'] / MiB:,.2f}"]]
                 + ([["still held after the step", f"{result['held_after_step_bytes'] / MiB:,.2f}"]]

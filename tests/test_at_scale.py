@@ -5,12 +5,15 @@ what the same rank measures in a real gloo job of the same stage and layout, wit
 (simulate.measure on real tensors): the bytes of its parameters, gradients and AdamW's moments exactly, the bytes it
 sends per collective and per dimension of the grid exactly (calls too), the FLOPs of its step exactly, and its
 activation peak (torch's MemTracker, FSDPMemTracker for FSDP2, on real tensors there) within 5%. Layouts: DDP,
-FSDP2, tp 2, pp 2 (GPipe), cp 2, and dp 2 x pp 2 x cp 2 x tp 2 (1F1B) on 16 ranks.
+FSDP2, tp 2, pp 2 (GPipe), cp 2, and dp 2 x pp 2 x cp 2 x tp 2 (1F1B) on 16 ranks; stage 14's experts over ep 2 of
+4 ranks, whose real job runs under the simulation's even load (compared exactly) and again under its router's own
+(compared where the load does not matter: test_the_router_load).
 
 The counting itself is checked against what the stage's design says, independently of the simulation: DDP's
 all-reduce hands over every gradient once (at W = 2, as many bytes as the weights), its state is 16 bytes a weight
 (weights, gradients, AdamW's two moments) plus AdamW's step counters, and tensor parallelism all-reduces six
-activations a block a micro-batch (TP_PLAN: two forward, four backward), the rest being the gradient norm's scalars.
+activations a block a micro-batch (TP_PLAN: two forward, four backward), the rest being the gradient norm's scalars;
+experts.py's all-to-alls carry each rank's share of an even load.
 
 The real jobs are one forked launch per layout (tests/harness.py forked_ranks); the simulations run in-process.
 """
@@ -35,6 +38,11 @@ LAYOUTS = {
     "pp": ("--world", "2", "--parallel", "fsdp", "--pp", "2", "--pp-schedule", "gpipe", "--accumulate", "3"),
     "cp": ("--world", "2", "--cp", "2"),
     "dp_pp_cp_tp": ("--world", "16", "--parallel", "fsdp", "--pp", "2", "--cp", "2", "--tp", "2", "--accumulate", "2"),
+    # Stage 14: 4 experts, k = 2, shared out over ep 2 of the 4 dp ranks (two ep groups, each expert on two replicas).
+    # 33 positions: 66 routed rows a micro-batch, which 4 experts cannot share evenly (17, 17, 16, 16), so that the two
+    # ranks of an ep group exchange different shares and their counts' all-to-all matters.
+    "ep": ("--world", "4", "--parallel", "fsdp", "--experts", "4", "--top-k", "2", "--ep", "2", "--accumulate", "2",
+           "--context", "33"),
 }
 ACTIVATION_TOLERANCE = 0.05
 
@@ -53,7 +61,8 @@ def checked_ranks(layout: str) -> list[int]:
 
 def layout_worker(rank: int, world: int, store: str, out: str) -> None:
     """One rank of the real job: the flags the test wrote (flags.json), the measurement simulate.py makes, on real
-    tensors in a gloo group; what it found in rank{R}.json."""
+    tensors in a gloo group; what it found in rank{R}.json. With experts, measured twice: under the even load the
+    simulation assumes (its shim, here on real tensors), then again with the router's own load ("router_load")."""
     import torch.distributed as dist
     torch.set_num_threads(1)  # the ranks share the machine's cores
     simulate = load_copy(SIMULATE)
@@ -61,6 +70,8 @@ def layout_worker(rank: int, world: int, store: str, out: str) -> None:
     args = simulate.parse_args([*flags, "--rank", str(rank)], scratch=Path(out))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     result = simulate.measure(args, fake=False)
+    if args.experts is not None:
+        result["router_load"] = simulate.measure(args, fake=False, even_load=False)
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -84,6 +95,18 @@ def real(tmp_path_factory):
     return of
 
 
+@pytest.fixture(scope="module")
+def sims(simulate, tmp_path_factory):
+    """Each rank's simulation of a layout, simulated once, on first use."""
+    done: dict[tuple[str, int], dict] = {}
+
+    def of(layout: str, rank: int) -> dict:
+        if (layout, rank) not in done:
+            done[layout, rank] = simulated(simulate, layout, rank, tmp_path_factory.mktemp(layout))
+        return done[layout, rank]
+    return of
+
+
 def simulated(simulate, layout: str, rank: int, tmp: Path) -> dict:
     return simulate.measure(simulate.parse_args([*MODEL, *LAYOUTS[layout], "--rank", str(rank)], scratch=tmp))
 
@@ -101,23 +124,32 @@ def differences(sim: dict, real: dict) -> list[str]:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_the_simulation_measures_what_the_real_job_measures(simulate, real, layout, tmp_path):
+def test_the_simulation_measures_what_the_real_job_measures(simulate, real, sims, layout):
+    """With experts, the real job runs under the even load too (the simulation's shim on real tensors: torch's own
+    all-to-alls then carry its counts), so that everything is compared exactly, as on the other layouts: the shim's
+    counting through fake tensors is torch's on real ones. What the even load changes is test_the_router_load's."""
     reals = real(layout)
     for rank in checked_ranks(layout):
-        measured, sim = reals[rank], simulated(simulate, layout, rank, tmp_path)
+        measured, sim = reals[rank], sims(layout, rank)
         assert not differences(sim, measured), f"{layout}, rank {rank}:\n" + "\n".join(differences(sim, measured))
-        assert sim["assumed"] and not measured["assumed"]
+        assert sim["assumed"] and measured["assumed"] == ([simulate.ASSUMED["even_load"]] if "--ep" in LAYOUTS[layout]
+                                                          else [])
 
 
-def step_flops(sim: dict, tp: int = 1) -> int:
+def step_flops(sim: dict, tp: int = 1, expert_rows: int = 0) -> int:
     """The FLOPs of a rank's step as torch's FlopCounterMode counts them, from the model's shape: 2 a multiply-add,
     a matmul's backward twice its forward (6 per weight and token; the blocks' 12 w^2 weights split over tp, the head's
     w x vocab whole, the embeddings looked up), and the attention's scores and weighted sum 4 b t^2 w forward and 10
-    backward (which computes the scores again), its heads split over tp."""
+    backward (which computes the scores again), its heads split over tp. With experts (stage 14, tp 1 here), a block's
+    MLP is a router (w x E) a token, and an expert's MLP (8 w^2) for each of the `expert_rows` rows this rank's experts
+    take a micro-batch."""
     m, b = sim["model"], sim["micro_batch"]
     tokens = b * m["context"] * sim["accumulate"]
-    matmul_weights = m["layers"] * 12 * m["width"] ** 2 // tp + m["width"] * m["vocab"]
-    return 6 * matmul_weights * tokens + 14 * m["layers"] * sim["accumulate"] * b * m["context"] ** 2 * m["width"] // tp
+    block = 12 * m["width"] ** 2 if "experts" not in m else 4 * m["width"] ** 2 + m["width"] * m["experts"]
+    matmul_weights = m["layers"] * block // tp + m["width"] * m["vocab"]
+    experts = 6 * m["layers"] * sim["accumulate"] * expert_rows * 8 * m["width"] ** 2
+    attention = 14 * m["layers"] * sim["accumulate"] * b * m["context"] ** 2 * m["width"] // tp
+    return 6 * matmul_weights * tokens + attention + experts
 
 
 def test_ddp_hands_over_every_gradient_once_and_holds_16_bytes_a_weight(simulate, tmp_path):
@@ -146,6 +178,60 @@ def test_tensor_parallel_all_reduces_six_activations_a_block(simulate, tmp_path)
     assert (row["kind"], row["calls"]) == ("all_reduce", activations + 1), row
     assert row["tensor_bytes"] == row["sent_bytes"] == expected, row
     assert sim["flops"] == step_flops(sim, tp=2)  # this rank's halves of the blocks' matmuls and heads
+
+
+def test_the_experts_all_to_alls_carry_an_even_share(sims):
+    """experts.py's exchange under ep, from the even load alone, independent of the simulation's shim. A micro-batch's
+    R = tokens x k rows are shared out over the E experts as evenly as can be (the first ones one more); ep rank r
+    holds experts r E/ep onwards, whose share is S_r rows, and every rank of its group sends it as many: it computes
+    ep S_r rows. Per block and micro-batch, five all-to-alls over ep: the counts (E int64, (ep - 1) / ep of them
+    leave), the rows to the experts (R handed over, R - S_r leave) and back (ep S_r, (ep - 1) S_r leave), and the same
+    two again backward; a row is w float32. Each rank of both ep groups is checked (ranks 0, 2 hold the first
+    experts, 1, 3 the others): a shim that loads one expert more, or fills the exchanged counts as another rank's,
+    fails here."""
+    for rank in range(world_of("ep")):
+        sim = sims("ep", rank)
+        m, ep = sim["model"], sim["ep"]
+        rows = sim["micro_batch"] * m["context"] * m["top_k"]
+        share, extra = divmod(rows, m["experts"])
+        mine = range(rank % ep * m["experts"] // ep, (rank % ep + 1) * m["experts"] // ep)
+        own = sum(share + (e < extra) for e in mine)  # S_r
+        calls, row_bytes = m["layers"] * sim["accumulate"], m["width"] * 4
+        tensor = calls * (8 * m["experts"] + 2 * (rows + ep * own) * row_bytes)
+        sent = calls * (8 * m["experts"] * (ep - 1) / ep + 2 * (rows - own + (ep - 1) * own) * row_bytes)
+        (row,) = [r for r in sim["sent"] if r["kind"] == "all_to_all"]
+        assert sim["stage"] == "14_experts" and ep == 2 and extra, sim["model"]  # (and the load not quite even)
+        assert (row["dimension"], row["calls"], row["tensor_bytes"], row["sent_bytes"]) == \
+            ("ep", 5 * calls, tensor, sent), (rank, row)
+        assert sim["flops"] == step_flops(sim, expert_rows=ep * own), rank
+
+
+def test_the_router_load(simulate, real, sims):
+    """The real router's load is not even, so the simulation cannot equal the real job in what depends on it: the
+    bytes of the rows that leave a rank, its FLOPs and activation peak. The same real job measured again with its
+    router's own counts (layout_worker's router_load) must still equal the simulation in all that does not: the state
+    bytes, every collective but the all-to-alls (calls and bytes), the all-to-alls' calls; and summed over the job's
+    ranks, the bytes the all-to-alls hand over and the FLOPs (dropless, every routed row reaches one expert, whichever
+    and wherever: an MLP's FLOPs). The load-dependent parts are checked against the even-load formula instead
+    (test_the_experts_all_to_alls_carry_an_even_share). And the router's load is seen not to be even: a real run
+    that happened to be even would prove nothing here."""
+    reals = [r["router_load"] for r in real("ep")]
+    simulations = [sims("ep", rank) for rank in range(world_of("ep"))]
+
+    def split(result: dict) -> tuple[list, list]:
+        sent = result["sent"]
+        return [r for r in sent if r["kind"] != "all_to_all"], [r for r in sent if r["kind"] == "all_to_all"]
+
+    for rank, (sim, measured) in enumerate(zip(simulations, reals, strict=True)):
+        (others, (exchange,)), (real_others, (real_exchange,)) = split(sim), split(measured)
+        assert sim["state_bytes"] == measured["state_bytes"], rank
+        assert others == real_others, rank
+        assert (exchange["dimension"], exchange["calls"]) == (real_exchange["dimension"], real_exchange["calls"])
+    for key in ("tensor_bytes", "sent_bytes"):
+        assert [split(r)[1][0][key] for r in reals] != [split(r)[1][0][key] for r in simulations], key  # not even
+    assert sum(split(r)[1][0]["tensor_bytes"] for r in reals) == sum(split(r)[1][0]["tensor_bytes"]
+                                                                   for r in simulations)
+    assert sum(r["flops"] for r in reals) == sum(r["flops"] for r in simulations)
 
 
 def test_a_wrong_shim_is_seen(simulate, real, tmp_path):

@@ -621,7 +621,8 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
                           ("--cp", "3"): "--cp", ("--parallel", "zero"): "--parallel",
                           ("--micro-batch", "0"): "--micro-batch", ("--accumulate", "0"): "--accumulate",
                           ("--rank", "2"): "--rank",  # not a rank of --world 2
-                          ("--experts", "8"): "--experts", ("--ep", "2"): "--ep",  # stage 14's: not yet
+                          ("--experts", "0"): "--experts", ("--ep", "2"): "--ep",  # --ep, --top-k: with --experts
+                          ("--top-k", "3", "--experts", "2"): "--top-k",  # k more than E: stage 14's own check
                           ("--out", "{file}/sub"): "--out"},
     # Its --nanogpt is checked last: the other cases need no nanoGPT checkout (CI has none).
     "benchmarks/vs_nanogpt": {("--nanogpt", "{tmp}"): "--nanogpt", ("--quick=1",): "--quick",
