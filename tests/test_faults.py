@@ -539,7 +539,9 @@ TOOLS = sorted(str(p.relative_to(ROOT).with_suffix("")) for p in [ROOT / "10_pip
                                                                    *ROOT.glob("ddp_by_hand/*.py"),
                                                                    *ROOT.glob("zero_by_hand/*.py"),
                                                                    *ROOT.glob("benchmarks/*.py"),
-                                                                   *ROOT.glob("at_scale/*.py")])
+                                                                   *ROOT.glob("at_scale/*.py")]
+               if "__main__" in p.read_text())  # (at_scale/costs.py, hardware.py: modules, no flags)
+PLAN = ("--model", "llama3-8b", "--gpus", "8", "--global-batch-tokens", "65536")  # plan.py's own flags, all good
 # The flags every stage has, as the stages' own table gives them (without --device cuda, which depends on the machine).
 CONTRACT = {args: flag for args, flag in bad_values("01_single_gpu").items() if args != ("--device", "cuda")}
 TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
@@ -624,6 +626,20 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
                           ("--experts", "0"): "--experts", ("--ep", "2"): "--ep",  # --ep, --top-k: with --experts
                           ("--top-k", "3", "--experts", "2"): "--top-k",  # k more than E: stage 14's own check
                           ("--out", "{file}/sub"): "--out"},
+    # A model (a preset or the shape), the GPUs and the batch given, as a user would; then one bad value.
+    "at_scale/plan": {("--gpus", "0"): "--gpus", ("--gpu", "tpu"): "--gpu", ("--model", "gpt5"): "--model",
+                      ("--layers", "0"): "--layers", ("--width", "0"): "--width", ("--heads", "0"): "--heads",
+                      ("--vocab", "0"): "--vocab", ("--experts", "0"): "--experts", ("--top-k", "0"): "--top-k",
+                      ("--gpus-per-node", "0"): "--gpus-per-node", ("--context", "0"): "--context",
+                      ("--global-batch-tokens", "-1"): "--global-batch-tokens",
+                      (*PLAN, "--global-batch-tokens", "1000"): "--global-batch-tokens",  # not whole sequences
+                      (*PLAN, "--dp", "3"): "--dp", (*PLAN, "--tp", "16", "--gpus", "16"): "--tp",  # 8 KV heads
+                      (*PLAN, "--pp", "64", "--gpus", "64"): "--pp",  # 32 blocks
+                      (*PLAN, "--cp", "3"): "--cp", (*PLAN, "--ep", "2"): "--ep",  # no experts
+                      ("--parallel", "zero4"): "--parallel", ("--micro-batch", "0"): "--micro-batch",
+                      ("--checkpointing", "some"): "--checkpointing", ("--show", "0"): "--show",
+                      ("--gpus", "8", "--global-batch-tokens", "65536", "--layers", "2"): "--model",  # no width, heads
+                      (*PLAN, "--out", "{file}/sub"): "--out"},
     # Its --nanogpt is checked last: the other cases need no nanoGPT checkout (CI has none).
     "benchmarks/vs_nanogpt": {("--nanogpt", "{tmp}"): "--nanogpt", ("--quick=1",): "--quick",
                               ("--out", "{file}/sub"): "--out", ("--timeout", "0"): "--timeout"},
@@ -635,7 +651,8 @@ INTERNAL_FLAGS = {("benchmarks/fsdp_memory", "--worker"): "set by its own launch
 # checked as they are.
 UNNAMED = {("ddp_by_hand/compare_runs", "runs"): "no summary.json in ",
            ("ddp_by_hand/compare_runs", "--ddp"): "no summary.json in "}
-REQUIRED = {"ddp_by_hand/compare_runs": ("{run}",), "benchmarks/pipeline_bubble": ("--out", "{tmp}/bubble")}  # (TYPO)
+REQUIRED = {"ddp_by_hand/compare_runs": ("{run}",), "benchmarks/pipeline_bubble": ("--out", "{tmp}/bubble"),
+            "at_scale/plan": PLAN}  # (TYPO)
 # What a tool needs around it to reach its checks, as a user running it would have it.
 TOOL_ENV = {"benchmarks/pipeline_bubble": {"RANK": "0", "WORLD_SIZE": "2"}}  # run by torchrun, 2 processes: it checks
 TOOL_GPUS = {"benchmarks/dp_vs_ddp": 2}  # it measures nothing below 2 GPUs, and checks --gpus and --out only then

@@ -1,0 +1,344 @@
+"""What one rank of a layout holds, sends and computes in a training step, by formula: the planner's counts.
+
+The formulas follow the GPT stages' code (11-14: which weights tp splits, what FSDP2 gathers and when, what the
+pipeline and the ring send), so that they can be checked against simulate.py, which runs that code. The model is a
+parameter: the tutorial's GPT (multi-head attention, a GELU MLP, learned positions, LayerNorm with biases) or Llama 3's
+(grouped-query attention, a SwiGLU MLP, rotary positions, RMSNorm, no biases). Stdlib only: the planner weighs
+thousands of layouts in a second.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Model:
+    """A decoder-only transformer's shape and architecture."""
+    name: str
+    layers: int
+    width: int
+    heads: int
+    kv_heads: int  # = heads: multi-head attention; fewer: grouped-query (Llama 3: 8)
+    ffn: int  # the MLP's inner width (the tutorial's GPT: 4 x width)
+    vocab: int
+    context: int  # tokens per sequence
+    mlp: str = "gelu"  # "gelu": fc, GELU, proj; "swiglu": (w1 x) * silu(w3 x), then w2
+    biases: bool = True  # the tutorial's linear layers and LayerNorms have biases; Llama's have none
+    learned_positions: bool = True  # the tutorial's position embedding (a weight); Llama's rotary ones are not
+    vocab_over_tp: bool = False  # the embedding and the head split over tp (Megatron, torchtitan); not the stages'
+    experts: int = 0  # stage 14: E experts per block in place of the MLP (0: a dense MLP)
+    top_k: int = 1
+
+    @property
+    def head_size(self) -> int:
+        return self.width // self.heads
+
+
+def tutorial_gpt(layers: int, width: int, heads: int, context: int, vocab: int, experts: int = 0,
+                 top_k: int = 1) -> Model:
+    """The GPT stages' model at any shape (11_gpt/model.py; 14_experts/ with experts)."""
+    return Model("gpt", layers, width, heads, heads, 4 * width, vocab, context, experts=experts, top_k=top_k)
+
+
+def llama3(name: str, layers: int, width: int, heads: int, ffn: int, context: int = 8192) -> Model:
+    """Llama 3's architecture (the Llama 3 paper, Table 3): 8 KV heads, SwiGLU, vocabulary 128,256, untied embeddings.
+    Its embedding and head split over tp, as the runs that train it do (Megatron-LM, torchtitan)."""
+    return Model(name, layers, width, heads, 8, ffn, 128256, context, mlp="swiglu", biases=False,
+                 learned_positions=False, vocab_over_tp=True)
+
+
+PRESETS = {"llama3-8b": llama3("llama3-8b", 32, 4096, 32, 14336),
+           "llama3-70b": llama3("llama3-70b", 80, 8192, 64, 28672),
+           "llama3-405b": llama3("llama3-405b", 126, 16384, 128, 53248)}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the job is split: dp x cp x tp x pp ranks (ep carved from dp x cp), and how the dp x cp ranks hold the
+    state: "ddp" a replica each; "zero1" AdamW's moments sharded; "zero2" the gradients too; "fsdp" (ZeRO-3) the
+    weights too, each block a unit gathered when it computes (FSDP2, the stages' --parallel fsdp)."""
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    parallel: str = "ddp"
+    micro_batch: int = 1  # sequences per micro-batch per dp rank
+    accumulate: int = 1  # micro-batches per step (under pp: the pipeline's)
+    schedule: str = "1f1b"  # the pipeline's: "1f1b" or "gpipe" (the stages' two)
+    checkpointing: bool = False  # activation checkpointing: each block keeps its input only, recomputes the rest
+    precision: str = "float32"  # "float32": everything (the stages' default); "bf16": compute and activations in
+    #                             bfloat16, the weights, gradients and AdamW's moments float32 (the stages' --amp bf16)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def dp_cp(self) -> int:
+        return self.dp * self.cp
+
+    def describe(self) -> str:
+        dims = " x ".join(f"{d} {getattr(self, d)}" for d in ("dp", "tp", "pp", "cp", "ep") if getattr(self, d) > 1)
+        return f"{dims or 'one rank'} {self.parallel}, micro-batch {self.micro_batch} x {self.accumulate}" + \
+            (", checkpointing" if self.checkpointing else "")
+
+
+# ─── Parameters: the tensors each rank holds ───────────────────────────────────────────────────────────────────────
+# A tensor is (rows, columns, kind): kind "tp" split over tp, "replicated", "expert" (split over ep, never over tp),
+# "vocab" (the embeddings and head). FSDP2 shards dim 0 (rows) over dp x cp, padded to a multiple.
+
+def block_tensors(m: Model, tp: int, ep: int) -> list[tuple[int, int, str]]:
+    """One block's weights as this rank holds them (13_pipeline_4d/parallelize.py TP_PLAN: q, k, v, fc
+    column-wise, the projections row-wise, whose biases stay whole; stage 14: the experts whole on every tp rank)."""
+    w, hd = m.width, m.head_size
+    q, kv = m.heads * hd // tp, m.kv_heads * hd // tp
+    t: list[tuple[int, int, str]] = [(q, w, "tp"), (kv, w, "tp"), (kv, w, "tp"), (w, q, "tp")]
+    if m.biases:
+        t += [(q, 1, "tp"), (kv, 1, "tp"), (kv, 1, "tp"), (w, 1, "replicated")]
+    t += [(w, 1, "replicated")] * (4 if m.biases else 2)  # two norms: weight (and bias)
+    if m.experts:  # stage 14: a router [E, width]; E / ep experts of stage 11's MLP, stacked
+        e = m.experts // ep
+        return t + [(m.experts, w, "replicated"), (e * m.ffn, w, "expert"), (e * m.ffn, 1, "expert"),
+                    (e * w, m.ffn, "expert"), (e * w, 1, "expert")]
+    f = m.ffn // tp
+    if m.mlp == "swiglu":
+        return t + [(f, w, "tp"), (f, w, "tp"), (w, f, "tp")]
+    return t + [(f, w, "tp"), (f, 1, "tp"), (w, f, "tp"), (w, 1, "replicated")]
+
+
+def stage_blocks(layers: int, pp: int, stage: int) -> int:
+    """Blocks on pipeline stage `stage` (13_pipeline_4d/pipeline.py: as many each as can be, the first ones one
+    more)."""
+    size, extra = divmod(layers, pp)
+    return size + (stage < extra)
+
+
+def root_tensors(m: Model, tp: int, first: bool, last: bool) -> list[tuple[int, int, str]]:
+    """The embeddings (first stage), the final norm and the head (last stage)."""
+    v = m.vocab // tp if m.vocab_over_tp else m.vocab
+    t: list[tuple[int, int, str]] = []
+    if first:
+        t += [(v, m.width, "vocab")] + ([(m.context, m.width, "replicated")] if m.learned_positions else [])
+    if last:
+        t += [(m.width, 1, "replicated")] * (2 if m.biases else 1) + [(v, m.width, "vocab")]
+    return t
+
+
+def parameters(m: Model) -> int:
+    """The whole model's parameters."""
+    return m.layers * sum(r * c for r, c, _ in block_tensors(m, 1, 1)) + \
+        sum(r * c for r, c, _ in root_tensors(m, 1, True, True))
+
+
+def active_parameters(m: Model) -> int:
+    """The parameters a token uses: k of the E experts' (all of a dense model's)."""
+    if not m.experts:
+        return parameters(m)
+    expert = sum(r * c for r, c, kind in block_tensors(m, 1, 1) if kind == "expert")
+    return parameters(m) - m.layers * expert * (m.experts - m.top_k) // m.experts
+
+
+def sharded(rows: int, cols: int, n: int) -> int:
+    """Elements of one rank's FSDP2 shard of a [rows, cols] tensor over n ranks: dim 0 cut in n, padded."""
+    return math.ceil(rows / n) * cols
+
+
+@dataclass
+class Rank:
+    """What one rank of one pipeline stage holds, sends and computes in a step (bytes, FLOPs)."""
+    parameters: int
+    gradients: int
+    optimizer: int
+    activation_peak: int
+    sent: dict[tuple[str, str], list]  # (kind, dimension) -> [calls, bytes sent]
+    flops: float  # of the model (what FlopCounterMode counts), recomputation not included
+    recompute_flops: float
+
+    @property
+    def state(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+    def sent_by_dimension(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for (_, dim), (_, b) in self.sent.items():
+            out[dim] = out.get(dim, 0.0) + b
+        return out
+
+
+def ring(kind: str, n: int) -> float:
+    """Bytes a ring algorithm sends from a rank, per byte of the tensor it hands over (simulate.py RING)."""
+    return {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1, "reduce_scatter": (n - 1) / n}[kind]
+
+
+def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
+    """One rank of pipeline stage `stage`: its state, activation peak, bytes sent and FLOPs in one step."""
+    first, last = stage == 0, stage == lay.pp - 1
+    n = lay.dp_cp  # the ranks that hold copies (DDP) or shards (FSDP2) of the same weights
+    blocks = stage_blocks(m.layers, lay.pp, stage)
+    per_block = block_tensors(m, lay.tp, lay.ep)
+    root = root_tensors(m, lay.tp, first, last)
+    whole = [t for t in per_block if t[2] != "expert" or lay.ep == 1]  # what DDP or FSDP2 hold
+    own = [t for t in per_block if t[2] == "expert" and lay.ep > 1]  # stage 14: a rank's experts, its own
+    f4, act = 4, BYTES["bfloat16" if lay.precision == "bf16" else "float32"]  # state bytes; activations' and sends'
+    # the elements of one block's and the root's weights, whole and as FSDP2 shards
+    block_elems = sum(r * c for r, c, _ in whole)
+    root_elems = sum(r * c for r, c, _ in root)
+    own_elems = sum(r * c for r, c, _ in own)
+    if lay.parallel == "fsdp":
+        block_shard = sum(sharded(r, c, n) for r, c, _ in whole)
+        root_shard = sum(sharded(r, c, n) for r, c, _ in root)
+    else:
+        block_shard, root_shard = block_elems, root_elems
+    params = blocks * (block_shard + own_elems) + root_shard  # elements held
+    full = blocks * (block_elems + own_elems) + root_elems  # elements of this rank's part before dp sharding
+    tensors = blocks * len(per_block) + len(root)
+    shard_of_full = math.ceil(full / n)  # ZeRO-1/2's share of the flat state
+    grads = {"ddp": full, "zero1": full, "zero2": shard_of_full, "fsdp": params}[lay.parallel]
+    opt_elems = 2 * (shard_of_full if lay.parallel in ("zero1", "zero2") else params)
+    state_params, state_grads = params * f4, grads * f4
+    optimizer = opt_elems * f4 + tensors * 4  # AdamW's two moments, and a float32 step counter per tensor
+
+    # ── bytes sent ──
+    sent: dict[tuple[str, str], list] = {}
+
+    def add(kind: str, dim: str, calls: int, tensor_bytes: float, factor: float) -> None:
+        if calls:
+            row = sent.setdefault((kind, dim), [0, 0.0])
+            row[0] += calls
+            row[1] += calls * tensor_bytes * factor
+
+    mb, acc = lay.micro_batch, lay.accumulate
+    tokens = mb * m.context // lay.cp  # one micro-batch's tokens on this rank
+    stream = tokens * m.width  # elements of the residual stream of one micro-batch
+    gathered = "bfloat16" if lay.precision == "bf16" else "float32"
+    if lay.parallel == "fsdp" and n > 1:
+        # FSDP2 (13_pipeline_4d/parallelize.py): a unit per block, the rest the root. Without a pipeline a block is
+        # gathered for each micro-batch's forward and again for its backward, the root once a micro-batch (kept
+        # from forward to backward); under a pipeline torch's stage keeps the weights gathered from the first
+        # backward on (reshard_after_backward off): a block gathered for each forward and once more, the root once.
+        block_gathers = acc + 1 if lay.pp > 1 else 2 * acc
+        root_gathers = (1 if lay.pp > 1 else acc) if root else 0
+        add("all_gather", "dp_cp", blocks * block_gathers, block_shard * BYTES[gathered], ring("all_gather", n))
+        add("all_gather", "dp_cp", root_gathers, root_shard * BYTES[gathered], ring("all_gather", n))
+        # each unit's gradient reduce-scattered once a step (the last micro-batch's backward), in float32
+        add("reduce_scatter", "dp_cp", blocks, block_shard * n * f4, ring("reduce_scatter", n))
+        add("reduce_scatter", "dp_cp", 1 if root else 0, root_shard * n * f4, ring("reduce_scatter", n))
+    elif n > 1:  # DDP: every gradient all-reduced once a step (its buckets); ZeRO-1/2 as zero_by_hand does
+        bucket = (full - blocks * own_elems) * f4
+        if lay.parallel == "ddp":
+            add("all_reduce", "dp_cp", 1, bucket, ring("all_reduce", n))
+        else:  # the gradients reduce-scattered, the updated weights all-gathered
+            add("reduce_scatter", "dp_cp", 1, bucket, ring("reduce_scatter", n))
+            add("all_gather", "dp_cp", 1, bucket / n, ring("all_gather", n))
+    if own and lay.dp_cp // lay.ep > 1:  # stage 14: the experts' gradients all-reduced over their replicas
+        add("all_reduce", "ep_replicas", blocks * len(own), own_elems / len(own) * f4,
+            ring("all_reduce", lay.dp_cp // lay.ep))
+    if lay.tp > 1:  # per block and micro-batch: two all-reduces forward, four backward (TP_PLAN); experts: 1 + 3
+        per = 6 if not m.experts else 4
+        add("all_reduce", "tp", blocks * acc * per, stream * act, ring("all_reduce", lay.tp))
+    if lay.cp > 1:  # the ring (context_parallel.py): forward, keys and values each hop but the last; backward, the
+        # same, and their gradient (float32 at least) every hop
+        kv = 2 * tokens * m.kv_heads * m.head_size // lay.tp
+        for kind, factor in (("send", 1), ("recv", 0)):  # (a receive sends nothing: counted by its calls)
+            add(kind, "cp", blocks * acc * 2 * (lay.cp - 1), kv * act, factor)
+            add(kind, "cp", blocks * acc * lay.cp, kv * max(act, 4), factor)
+    if lay.pp > 1:  # the residual stream forward to the next stage, its gradient back to the previous one
+        for kind, factor in (("send", 1), ("recv", 0)):
+            add(kind, "pp", acc * ((not last) + (not first)), stream * act, factor)
+    # The gradient's norm (parallelize.py clip_gradients): a float32 number summed over each mesh its DTensor
+    # gradients lie on (FSDP2's dp x cp; tp's layers' dp x cp and tp), then over the pipeline's stages.
+    if lay.parallel == "fsdp":
+        add("all_reduce", "dp_cp", 1 + (lay.tp > 1), 4, ring("all_reduce", n))
+    add("all_reduce", "tp", int(lay.tp > 1), 4, ring("all_reduce", lay.tp))
+    add("all_reduce", "pp", int(lay.pp > 1), 4, ring("all_reduce", lay.pp))
+    if m.experts and lay.ep > 1:  # every token's k rows to their experts and back, forward and backward: an even load
+        # leaves (ep - 1) / ep of them off this rank
+        rows = tokens * m.top_k * (lay.ep - 1) / lay.ep
+        add("all_to_all", "ep", blocks * acc * 4, rows * m.width * act, 1)
+        # first the counts of rows each rank will receive (E int64 numbers); the norm over the experts' ep mesh
+        add("all_to_all", "ep", blocks * acc, m.experts * 8, (lay.ep - 1) / lay.ep)
+        add("all_reduce", "ep", 1, 4, ring("all_reduce", lay.ep))
+    if m.experts and n > 1:  # the balancing loss's load, counted over the micro-batch's dp x cp ranks (--balance batch)
+        add("all_reduce", "dp_cp", blocks * acc, m.experts * 4, ring("all_reduce", n))
+
+    # ── activations ── (per block and micro-batch, in units of the residual stream: Korthikanti et al. 2022's count,
+    # redone for this code: no dropout, attention by a fused kernel that keeps no score matrix)
+    if lay.checkpointing:
+        saved_block = stream * act  # its input
+    else:
+        saved_block = stream * act * block_activation_units(m, lay.tp)
+    if lay.pp > 1:
+        in_flight = acc if lay.schedule == "gpipe" else min(acc, lay.pp - stage)
+    else:
+        in_flight = 1
+    peak = in_flight * blocks * saved_block
+    if lay.checkpointing:  # one block's activations recomputed for its backward
+        peak += stream * act * block_activation_units(m, lay.tp)
+    if last:  # the final norm's and the head's inputs; the loss's backward: log-softmax's output, the gradient it
+        # receives and the one it makes, three [tokens, vocab] in float32. Under a pipeline the loss is computed as
+        # each micro-batch's forward ends, and torch's stage keeps its output, the logits, for its backward: two
+        # such tensors a micro-batch in flight, and the two gradients.
+        v = m.vocab // lay.tp if m.vocab_over_tp else m.vocab
+        peak += 2 * stream * act + (2 * in_flight + 2 if lay.pp > 1 else 3) * tokens * v * 4
+    if lay.parallel == "fsdp" and n > 1:
+        g = BYTES[gathered]
+        # The peak is at the start of the backward: the root gathered (kept from forward to backward), the block at
+        # work and the next (prefetched), and every unit's whole gradient while they accumulate (over micro-batches
+        # or the pipeline's), else the one block's being reduce-scattered. Or, with little activation, at the
+        # root's all-gather: its buffer and the gathered copy, two roots' worth.
+        grads_whole = full * f4 if acc > 1 or lay.pp > 1 else block_elems * f4
+        # Under a pipeline the embedding's backward makes a dense gradient of its whole table before adding it in,
+        # while the first stage still holds other micro-batches' activations.
+        table = m.vocab // (lay.tp if m.vocab_over_tp else 1) * m.width * f4 if first and lay.pp > 1 else 0
+        peak = max(peak + (root_elems + 2 * block_elems) * g + grads_whole + table,
+                   2 * root_elems * g + (full * f4 if acc > 1 and lay.pp == 1 else 0))
+    # ── FLOPs ── (FlopCounterMode's: a matmul 2mnk forward, twice that backward; attention the whole score matrix)
+    flops = model_flops(m, lay, blocks, first, last)
+    recompute = flops_forward_blocks(m, lay, blocks) if lay.checkpointing else 0.0
+    return Rank(state_params, state_grads, optimizer, int(peak), sent, flops, recompute)
+
+
+def block_activation_units(m: Model, tp: int) -> float:
+    """Bytes a block saves for its backward, in units of its input (the residual stream): the two norms' inputs and
+    outputs (4, whole on every tp rank), and this rank's heads' q, k and v, the attention's output and the
+    projection's input (a copy: 5 / tp), the MLP's two inner activations (8 / tp; SwiGLU's w1 x, w3 x, silu(w1 x) and
+    their product: 4 ffn / width / tp)."""
+    w = m.width
+    kv = m.kv_heads * m.head_size / w
+    attention = (1 + 2 * kv + 2) / tp
+    if m.experts:  # each token's k rows, in and out of two layers of ffn, and the rows gathered for them
+        mlp = m.top_k * (2 * m.ffn / w + 2)
+    elif m.mlp == "swiglu":
+        mlp = 4 * m.ffn / w / tp
+    else:
+        mlp = 2 * m.ffn / w / tp
+    return 4 + attention + mlp
+
+
+def flops_forward_blocks(m: Model, lay: Layout, blocks: int) -> float:
+    """Forward FLOPs of this rank's blocks in one step (every micro-batch)."""
+    tokens = lay.micro_batch * m.context // lay.cp * lay.accumulate
+    w, hd = m.width, m.head_size
+    dense = 2 * tokens * sum(r * c for r, c, kind in block_tensors(m, lay.tp, 1)
+                             if c > 1 and kind != "replicated" and kind != "expert")
+    if m.experts:
+        dense += 2 * tokens * w * m.experts  # the router
+        dense += 2 * tokens * m.top_k * 2 * w * m.ffn  # k experts a token
+    # attention: q k^T and p v, the whole score matrix (as torch counts a fused kernel), this rank's heads
+    attn = 4 * lay.micro_batch * lay.accumulate * (m.heads // lay.tp) * (m.context // lay.cp) * m.context * hd
+    return blocks * (dense + attn)
+
+
+def model_flops(m: Model, lay: Layout, blocks: int, first: bool, last: bool) -> float:
+    """FLOPs of one step on this rank: forward and backward (twice the forward) of its blocks and head."""
+    tokens = lay.micro_batch * m.context // lay.cp * lay.accumulate
+    head = 2 * tokens * m.width * (m.vocab // lay.tp if m.vocab_over_tp else m.vocab) if last else 0
+    return 3 * (flops_forward_blocks(m, lay, blocks) + head)
+
+
+def with_(lay: Layout, **changes) -> Layout:
+    return replace(lay, **changes)

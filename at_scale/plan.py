@@ -1,0 +1,305 @@
+"""Which layout for my model on my cluster: every layout weighed by formula, those that fit ranked by throughput.
+
+    python at_scale/plan.py --model llama3-8b --gpus 8 --gpu h100 --context 8192 --global-batch-tokens 1048576
+
+For every way to split the job (dp x tp x pp x cp, ep for experts; DDP, ZeRO-1, ZeRO-2 or FSDP over the dp x cp ranks;
+the micro-batch; activation checkpointing or not), costs.py counts what each rank holds, sends and computes in a step
+(the formulas simulate.py checks against the stages' own code), and this file turns them into memory per GPU and time
+per step on the GPUs of hardware.py (each figure there with its source; nothing fitted to the runs it is checked
+against). A layout fits if its busiest rank's state and activation peak fit in the GPU's memory. Step time:
+
+- compute: the rank's FLOPs (and, checkpointing, the forward again) at the matmul rate the GPU reaches;
+- tp, ep: exposed (the next matmul needs the result); cp's ring: hidden behind the attention beside it;
+- dp x cp (DDP's all-reduce, ZeRO's and FSDP's all-gathers and reduce-scatters): hidden behind the compute, but the
+  first gather and the last reduce;
+- the pipeline (1F1B, the stages' schedule): each stage idle for (pp - 1) micro-batches' time: the bubble.
+A group's bandwidth is NVLink's when its ranks share a node (the grid puts tp innermost, then cp, dp, pp), else the
+network's; every collective also pays NCCL's latency per step of its ring.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repository root: tools/
+sys.path.insert(0, str(ROOT / "at_scale"))
+import costs  # noqa: E402
+import hardware  # noqa: E402
+from costs import Layout, Model  # noqa: E402
+
+from tools.cli import ArgumentParser, positive, print_table  # noqa: E402
+
+PARALLEL = ("ddp", "zero1", "zero2", "fsdp")
+MICRO_BATCHES = (1, 2, 4, 8)
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    fits: bool
+    why_not: str  # "" when it fits
+    memory: dict  # bytes on the busiest rank: parameters, gradients, optimizer, activations, total
+    seconds: dict  # the step: compute, tp, cp, ep, pp, dp (exposed), bubble, total
+    tokens_per_s: float
+    flops_per_gpu: float  # model FLOPs per second per GPU (recomputation not counted, as MFU does)
+    mfu: float
+
+
+def group_link(lay: Layout, dim: str, gpu: hardware.GPU) -> str:
+    """'nvlink' when a group of this grid dimension lies within one node, else 'network'. The grid (13_pipeline_4d/
+    grid.py) orders the ranks pp, dp, cp, tp, tp fastest: a group spans its size times the product of the sizes
+    inside it."""
+    inner = {"tp": 1, "cp": lay.tp, "ep": lay.tp, "dp_cp": lay.tp, "ep_replicas": lay.tp * lay.ep,
+             "pp": lay.dp * lay.cp * lay.tp}[dim]
+    size = {"tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "dp_cp": lay.dp * lay.cp, "ep_replicas": lay.dp_cp // lay.ep,
+            "pp": lay.pp}[dim]
+    if dim == "ep_replicas":  # every ep-th rank of dp x cp: it spans the whole dp x cp line
+        inner, size = lay.tp, lay.dp_cp
+    return "nvlink" if inner * size <= gpu.gpus_per_node else "network"
+
+
+def comm_seconds(kind: str, calls: int, sent: float, n: int, link: str, gpu: hardware.GPU) -> float:
+    """A rank's time in `calls` collectives of `kind` that send `sent` bytes from it in all, over a group of n."""
+    if link == "nvlink":
+        eff = hardware.NVLINK_EFFICIENCY.get(kind, hardware.NVLINK_EFFICIENCY["all_gather"]).value
+        bw, step = gpu.nvlink_bytes_per_s * eff, hardware.NVLINK_STEP_LATENCY_S.value
+    else:
+        bw, step = gpu.network_bytes_per_s * hardware.NETWORK_EFFICIENCY.value, hardware.NETWORK_STEP_LATENCY_S.value
+    steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}.get(kind, 1)
+    return sent / bw + calls * (hardware.COLLECTIVE_LATENCY_S.value + steps * step)
+
+
+def group_size(lay: Layout, dim: str) -> int:
+    return {"tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "dp_cp": lay.dp_cp, "ep_replicas": lay.dp_cp // lay.ep,
+            "pp": lay.pp}[dim]
+
+
+def predict(m: Model, lay: Layout, gpu: hardware.GPU) -> Prediction:
+    """Memory and step time of a layout: its busiest stage's memory, its slowest stage's time."""
+    stages = [costs.rank_costs(m, lay, s) for s in range(lay.pp)]
+    memory = max(({"parameters": r.parameters, "gradients": r.gradients, "optimizer": r.optimizer,
+                   "activations": r.activation_peak, "total": r.state + r.activation_peak} for r in stages),
+                 key=lambda d: d["total"])
+    rate = gpu.matmul_flops  # the matmul rate it reaches (hardware.py: measured, a ceiling)
+    worst: dict[str, float] = {}
+    for r in stages:
+        t = {"compute": (r.flops + r.recompute_flops) / rate, "tp": 0.0, "cp": 0.0, "ep": 0.0, "pp": 0.0, "dp": 0.0}
+        for (kind, dim), (calls, sent) in r.sent.items():
+            n = group_size(lay, dim)
+            if n == 1 or kind == "recv":
+                continue
+            s = comm_seconds(kind, calls, sent, n, group_link(lay, dim, gpu), gpu)
+            key = {"dp_cp": "dp", "ep_replicas": "dp"}.get(dim, dim)
+            t[key] += s
+        # What hides: cp's ring behind the attention beside it (at most the compute), the pipeline's sends behind
+        # the next micro-batch's compute, dp's behind the step's compute but its first gather and last reduce.
+        t["cp"] = max(0.0, t["cp"] - hardware.OVERLAP["cp_ring"].value * t["compute"])
+        t["pp"] = max(0.0, t["pp"] - hardware.OVERLAP["pp"].value * t["compute"])
+        units = costs.stage_blocks(m.layers, lay.pp, 0) + 1
+        edge = 2 * t["dp"] / units  # one unit's gather and one's reduce: nothing to hide them behind
+        t["dp"] = edge + max(0.0, t["dp"] - edge - hardware.OVERLAP["dp"].value * t["compute"])
+        if sum(t.values()) > sum(worst.values()):
+            worst = t
+    per_micro = sum(v for k, v in worst.items() if k != "dp") / lay.accumulate
+    bubble = (lay.pp - 1) * per_micro if lay.pp > 1 else 0.0  # 1F1B and GPipe alike: pp - 1 micro-batches idle
+    seconds = {**worst, "bubble": bubble}
+    seconds["total"] = sum(seconds.values())
+    tokens = lay.dp * lay.micro_batch * lay.accumulate * m.context
+    model_flops = (6 * matmul_parameters(m) + attention_flops(m)) * tokens
+    flops_per_gpu = model_flops / seconds["total"] / lay.world
+    why = "" if memory["total"] <= gpu.memory_bytes else \
+        f"needs {memory['total'] / 1e9:,.1f} GB of {gpu.memory_bytes / 1e9:,.0f}"
+    return Prediction(lay, not why, why, memory, seconds, tokens / seconds["total"], flops_per_gpu,
+                      flops_per_gpu / gpu.peak_flops)
+
+
+def matmul_parameters(m: Model) -> int:
+    """The parameters a token multiplies by (k experts' of E): all but the embeddings, which are looked up (PaLM's
+    MFU counts 6 FLOPs a token for each, forward and backward)."""
+    looked_up = m.vocab * m.width + (m.context * m.width if m.learned_positions else 0)
+    return costs.active_parameters(m) - looked_up
+
+
+def attention_flops(m: Model) -> float:
+    """Attention's FLOPs per token, forward and backward, the whole score matrix (PaLM's MFU: 12 x layers x context
+    x width; what FlopCounterMode counts for a fused kernel)."""
+    return 12 * m.layers * m.context * m.heads * m.head_size
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(m: Model, gpus: int, gpus_per_node: int, sequences: int, fixed: dict) -> list[Layout]:
+    """Every layout of `gpus` GPUs for `sequences` sequences a step that the stages can run: tp within a node and
+    dividing the heads (and KV heads) and the MLP, pp at most the blocks (1F1B: at least pp micro-batches), cp with
+    2 x cp dividing the context (zigzag), ep dividing the experts and dp x cp, dp dividing the sequences."""
+    out = []
+    for tp in divisors(gpus):
+        if tp > gpus_per_node or m.heads % tp or m.kv_heads % tp or m.ffn % tp or (m.vocab_over_tp and m.vocab % tp):
+            continue
+        for pp in divisors(gpus // tp):
+            if pp > m.layers:
+                continue
+            for cp in divisors(gpus // (tp * pp)):
+                dp = gpus // (tp * pp * cp)
+                if m.context % (2 * cp) if cp > 1 else False:
+                    continue
+                if sequences % dp:
+                    continue
+                for ep in (divisors(m.experts) if m.experts else [1]):
+                    if (dp * cp) % ep:
+                        continue
+                    for mb in MICRO_BATCHES:
+                        if (sequences // dp) % mb:
+                            continue
+                        acc = sequences // dp // mb
+                        if pp > 1 and acc < pp:
+                            continue
+                        for parallel in PARALLEL:
+                            if parallel != "fsdp" and (pp > 1 or tp > 1) or parallel == "ddp" and ep > 1:
+                                continue  # the stages split layers (tp, pp) under FSDP2 only; zero_by_hand: dp
+                            for ckpt in (False, True):
+                                lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, parallel=parallel, micro_batch=mb,
+                                             accumulate=acc, checkpointing=ckpt, precision="bf16")
+                                if all(getattr(lay, k) == v for k, v in fixed.items()):
+                                    out.append(lay)
+    return out
+
+
+def plan(m: Model, gpus: int, gpu: hardware.GPU, gpus_per_node: int, batch_tokens: int,
+         fixed: dict | None = None) -> list[Prediction]:
+    """Every layout considered, predicted; those that fit first, fastest first."""
+    sequences = batch_tokens // m.context
+    node = gpu._replace(gpus_per_node=gpus_per_node)
+    preds = [predict(m, lay, node) for lay in layouts(m, gpus, gpus_per_node, sequences, fixed or {})]
+    return sorted(preds, key=lambda p: (not p.fits, -p.tokens_per_s))
+
+
+def llama3_rows() -> list[str]:
+    """at_scale/README.md's table: each of Llama 3 405B's published layouts (hardware.LLAMA3_405B_RUNS), micro-batch
+    1 under FSDP, predicted by the planner (with activation checkpointing: none fits without)."""
+    out = []
+    for run in hardware.LLAMA3_405B_RUNS:
+        m = costs.replace(costs.PRESETS["llama3-405b"], context=run.sequence)
+        fixed = dict(tp=run.tp, pp=run.pp, cp=run.cp, dp=run.dp, micro_batch=1, parallel="fsdp", checkpointing=True)
+        p = plan(m, run.gpus, hardware.GPUS["h100"], 8, run.tokens_per_batch, fixed)[0]
+        out.append(f"| {run.gpus:,} | {run.tp} | {run.cp} | {run.pp} | {run.dp} | {run.sequence:,} | "
+                   f"{run.flops_per_gpu / 1e12:.0f} | {p.flops_per_gpu / 1e12:.0f} "
+                   f"({p.flops_per_gpu / run.flops_per_gpu - 1:+.0%}) | "
+                   f"{'yes' if p.fits else 'no'}: {p.memory['total'] / 1e9:.1f} GB, checkpointing |")
+    return out
+
+
+def model_from(args: argparse.Namespace, p: ArgumentParser) -> Model:
+    if args.model is not None:
+        m = costs.PRESETS[args.model]
+        return costs.replace(m, context=args.context)
+    missing = [f"--{f}" for f in ("layers", "width", "heads") if getattr(args, f) is None]
+    if missing:
+        p.error(f"argument --model: give a preset ({', '.join(costs.PRESETS)}) or the shape: {', '.join(missing)}")
+    m = costs.tutorial_gpt(args.layers, args.width, args.heads, args.context, args.vocab, args.experts or 0,
+                           args.top_k)
+    if args.width % args.heads:
+        p.error(f"argument --heads: {args.heads} does not divide --width {args.width}")
+    if args.experts and args.top_k > args.experts:
+        p.error(f"argument --top-k: {args.top_k} is more than --experts {args.experts}")
+    return m
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = ArgumentParser(prog="at_scale/plan.py", description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=list(costs.PRESETS), help="a preset (Llama 3's shapes); or the shape flags")
+    p.add_argument("--layers", type=positive(int), help="transformer blocks (the tutorial's GPT)")
+    p.add_argument("--width", type=positive(int), help="size of the residual stream")
+    p.add_argument("--heads", type=positive(int), help="attention heads per block")
+    p.add_argument("--vocab", type=positive(int), default=128256, help="tokens in the vocabulary")
+    p.add_argument("--experts", type=positive(int), help="experts per block (stage 14's mixture)")
+    p.add_argument("--top-k", type=positive(int), default=2, help="experts a token goes to")
+    p.add_argument("--gpus", type=positive(int), required=True, help="GPUs in the job")
+    p.add_argument("--gpu", choices=list(hardware.GPUS), default="h100", help="the GPU (hardware.py)")
+    p.add_argument("--gpus-per-node", type=positive(int), help="GPUs on one NVLink domain (default: the GPU's)")
+    p.add_argument("--context", type=positive(int), default=8192, help="tokens per sequence")
+    p.add_argument("--global-batch-tokens", type=positive(int), required=True, help="tokens per step, all GPUs")
+    for dim in ("dp", "tp", "pp", "cp", "ep"):
+        p.add_argument(f"--{dim}", type=positive(int), help=f"only layouts with this {dim} degree")
+    p.add_argument("--parallel", choices=PARALLEL, help="only layouts that hold the state so")
+    p.add_argument("--micro-batch", type=positive(int), help="only layouts with this micro-batch")
+    p.add_argument("--checkpointing", choices=["on", "off"], help="only layouts with (or without) it")
+    p.add_argument("--show", type=positive(int), default=10, help="rows of the table")
+    p.add_argument("--out", type=Path, help="write plan.json (every layout considered) and plan.png here")
+    args = p.parse_args(argv)
+    args.model_ = model_from(args, p)
+    gpu = hardware.GPUS[args.gpu]
+    args.gpus_per_node = args.gpus_per_node or gpu.gpus_per_node
+    if args.global_batch_tokens % args.context:
+        p.error(f"argument --global-batch-tokens: {args.global_batch_tokens:,} is not a whole number of sequences "
+                f"of --context {args.context:,}; use a multiple of it")
+    sequences = args.global_batch_tokens // args.context
+    for dim in ("dp", "tp", "pp", "cp", "ep"):
+        value = getattr(args, dim)
+        if value is not None and args.gpus % value:
+            p.error(f"argument --{dim}: {value} does not divide --gpus {args.gpus}")
+    if args.tp and (args.model_.heads % args.tp or args.model_.kv_heads % args.tp):
+        p.error(f"argument --tp: {args.tp} does not divide the {args.model_.kv_heads} (KV) heads")
+    if args.ep and not args.model_.experts:
+        p.error(f"argument --ep: {args.model_.name} has no experts; give --experts, or leave --ep out")
+    if args.pp and args.pp > args.model_.layers:
+        p.error(f"argument --pp: {args.pp} stages for {args.model_.layers} blocks; use at most {args.model_.layers}")
+    if args.dp and sequences % args.dp:
+        p.error(f"argument --dp: {args.dp} does not divide the {sequences:,} sequences of a step")
+    if args.out is not None:
+        p.check_out_writable(args.out)
+    args.fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "parallel", "micro_batch")
+                  if getattr(args, k) is not None}
+    if args.checkpointing is not None:
+        args.fixed["checkpointing"] = args.checkpointing == "on"
+    return args
+
+
+def row(p: Prediction) -> list[str]:
+    lay, GB = p.layout, 1e9
+    return [f"{lay.dp}", f"{lay.tp}", f"{lay.pp}", f"{lay.cp}"] + ([f"{lay.ep}"] if lay.ep > 1 else []) + [
+        lay.parallel, f"{lay.micro_batch} x {lay.accumulate}", "yes" if lay.checkpointing else "no",
+        f"{p.memory['total'] / GB:,.1f}", f"{p.seconds['total']:,.2f}", f"{p.tokens_per_s:,.0f}",
+        f"{p.flops_per_gpu / 1e12:,.0f}", f"{p.mfu:.0%}"]
+
+
+def to_json(p: Prediction) -> dict:
+    return {"layout": asdict(p.layout), "fits": p.fits, "why_not": p.why_not, "memory_bytes": p.memory,
+            "seconds": p.seconds, "tokens_per_s": p.tokens_per_s, "flops_per_gpu": p.flops_per_gpu, "mfu": p.mfu}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    m, gpu = args.model_, hardware.GPUS[args.gpu]
+    preds = plan(m, args.gpus, gpu, args.gpus_per_node, args.global_batch_tokens, args.fixed)
+    fit = [p for p in preds if p.fits]
+    print(f"{m.name}: {costs.parameters(m):,} parameters, context {m.context:,} | {args.gpus:,} x {gpu.name}, "
+          f"{args.gpus_per_node} a node | {args.global_batch_tokens:,} tokens a step "
+          f"({args.global_batch_tokens // m.context:,} sequences)")
+    print(f"{len(preds):,} layouts considered, {len(fit):,} fit in {gpu.memory_bytes / 1e9:,.0f} GB")
+    if not preds:
+        print("no layout: the GPUs do not divide into the degrees the model allows (see --help)")
+    elif not fit:
+        best = min(preds, key=lambda p: p.memory["total"])
+        print(f"none fits: the least memory is {best.memory['total'] / 1e9:,.1f} GB a GPU "
+              f"({best.layout.describe()})")
+    else:
+        head = ["dp", "tp", "pp", "cp"] + (["ep"] if m.experts else []) + [
+            "state", "micro-batch", "ckpt", "GB/GPU", "step s", "tokens/s", "TFLOP/s/GPU", "MFU"]
+        rows = [row(p) for p in fit[:args.show]]
+        print_table([head, *rows])
+    if args.out is not None:
+        (args.out / "plan.json").write_text(json.dumps({
+            "model": asdict(m), "parameters": costs.parameters(m), "gpus": args.gpus, "gpu": args.gpu,
+            "gpus_per_node": args.gpus_per_node, "global_batch_tokens": args.global_batch_tokens,
+            "layouts": [to_json(p) for p in preds]}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
