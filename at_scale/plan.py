@@ -274,6 +274,39 @@ def to_json(p: Prediction) -> dict:
             "seconds": p.seconds, "tokens_per_s": p.tokens_per_s, "flops_per_gpu": p.flops_per_gpu, "mfu": p.mfu}
 
 
+MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations")  # (activations: the step's peak beyond the
+# state, FSDP's gathered weights and whole gradients included)
+TIME_PARTS = ("compute", "tp", "cp", "ep", "pp", "dp", "bubble")
+
+
+def draw(preds: list[Prediction], gpu: hardware.GPU, title: str, path: Path) -> None:
+    """plan.png: the best layouts side by side, each one's memory per GPU (left) and step time (right) broken down."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    fig, (mem, time) = plt.subplots(1, 2, figsize=(12, 0.5 * len(preds) + 2), sharey=True)
+    labels = [p.layout.describe().replace(", micro-batch", "\nmicro-batch") for p in preds]
+    y = range(len(preds))
+    for axis, parts, values, unit in ((mem, MEMORY_PARTS, lambda p, k: p.memory[k] / 1e9, "GB per GPU"),
+                                      (time, TIME_PARTS, lambda p, k: p.seconds[k], "seconds per step")):
+        left = [0.0] * len(preds)
+        for part in parts:
+            widths = [values(p, part) for p in preds]
+            if any(widths):
+                axis.barh(y, widths, left=left, label=part)
+                left = [a + b for a, b in zip(left, widths, strict=True)]
+        axis.set_xlabel(unit)
+        axis.legend(ncol=4, fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.0), frameon=False)
+    mem.axvline(gpu.memory_bytes / 1e9, color="black", linestyle="--", linewidth=1)
+    mem.set_yticks(list(y), labels, fontsize=7)
+    mem.invert_yaxis()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     m, gpu = args.model_, hardware.GPUS[args.gpu]
@@ -299,6 +332,9 @@ def main(argv: list[str] | None = None) -> None:
             "model": asdict(m), "parameters": costs.parameters(m), "gpus": args.gpus, "gpu": args.gpu,
             "gpus_per_node": args.gpus_per_node, "global_batch_tokens": args.global_batch_tokens,
             "layouts": [to_json(p) for p in preds]}, indent=1) + "\n")
+        if fit:
+            draw(fit[:args.show], gpu, f"{m.name} on {args.gpus:,} x {gpu.name}: the {min(args.show, len(fit))} "
+                 "fastest layouts that fit", args.out / "plan.png")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ fits).
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -186,3 +187,20 @@ def test_readme_shows_what_the_planner_prints(plan, capsys):
         assert capsys.readouterr().out.rstrip("\n") == output, command
     for row in plan.llama3_rows():
         assert row in text, row
+
+
+def test_out_holds_every_layout_and_a_picture(plan, tmp_path, capsys):
+    """--out: plan.json holds every layout considered, each with its memory and time broken down, whether it fits
+    (and why not), the figures the table prints; plan.png the best ones."""
+    plan.main(["--model", "llama3-8b", "--gpus", "16", "--global-batch-tokens", str(2**20), "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    layouts = saved["layouts"]
+    assert f"{len(layouts):,} layouts considered" in printed
+    assert {"fits", "why_not", "memory_bytes", "seconds", "tokens_per_s", "flops_per_gpu", "mfu"} <= set(layouts[0])
+    assert any(not lay["fits"] and "GB" in lay["why_not"] for lay in layouts) and layouts[0]["fits"]
+    for lay in layouts:
+        assert lay["memory_bytes"]["total"] == sum(lay["memory_bytes"][k] for k in plan.MEMORY_PARTS)
+        assert math.isclose(lay["seconds"]["total"], sum(lay["seconds"][k] for k in plan.TIME_PARTS))
+        assert lay["fits"] == (lay["memory_bytes"]["total"] <= plan.hardware.GPUS["h100"].memory_bytes)
+    assert (tmp_path / "plan.png").stat().st_size > 10_000
