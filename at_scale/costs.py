@@ -9,7 +9,7 @@ thousands of layouts in a second.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -283,7 +283,11 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         # each micro-batch's forward ends, and torch's stage keeps its output, the logits, for its backward: two
         # such tensors a micro-batch in flight, and the two gradients.
         v = m.vocab // lay.tp if m.vocab_over_tp else m.vocab
-        peak += 2 * stream * act + (2 * in_flight + 2 if lay.pp > 1 else 3) * tokens * v * 4
+        loss = (2 * in_flight + 2 if lay.pp > 1 else 3) * tokens * v * 4
+        if lay.parallel != "fsdp":  # or, later, the head's backward: the logits' gradient, and the head's weight
+            # gradient made whole before DDP copies it into its bucket (float32)
+            loss = max(loss, tokens * v * 4 + v * m.width * 4)
+        peak += 2 * stream * act + loss
     if lay.parallel == "fsdp" and n > 1:
         g = BYTES[gathered]
         # The peak is at the start of the backward: the root gathered (kept from forward to backward), the block at
@@ -339,6 +343,3 @@ def model_flops(m: Model, lay: Layout, blocks: int, first: bool, last: bool) -> 
     head = 2 * tokens * m.width * (m.vocab // lay.tp if m.vocab_over_tp else m.vocab) if last else 0
     return 3 * (flops_forward_blocks(m, lay, blocks) + head)
 
-
-def with_(lay: Layout, **changes) -> Layout:
-    return replace(lay, **changes)

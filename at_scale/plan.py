@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,8 +62,21 @@ def group_link(lay: Layout, dim: str, gpu: hardware.GPU) -> str:
     return "nvlink" if inner * size <= gpu.gpus_per_node else "network"
 
 
-def comm_seconds(kind: str, calls: int, sent: float, n: int, link: str, gpu: hardware.GPU) -> float:
+@dataclass(frozen=True)
+class Links:
+    """Collectives as measured on one machine (at_scale/this_machine.py), in place of hardware.py's NCCL figures: per
+    kind of collective, the seconds a call costs before its bytes and the bytes a rank sends per second (at the group
+    size measured), and the share of each kind of communication that hides behind compute (hardware.OVERLAP's keys)."""
+    latency_s: dict[str, float]
+    bytes_per_s: dict[str, float]
+    overlap: dict[str, float]
+
+
+def comm_seconds(kind: str, calls: int, sent: float, n: int, link: str, gpu: hardware.GPU,
+                 links: Links | None = None) -> float:
     """A rank's time in `calls` collectives of `kind` that send `sent` bytes from it in all, over a group of n."""
+    if links is not None:
+        return sent / links.bytes_per_s[kind] + calls * links.latency_s[kind]
     if link == "nvlink":
         eff = hardware.NVLINK_EFFICIENCY.get(kind, hardware.NVLINK_EFFICIENCY["all_gather"]).value
         bw, step = gpu.nvlink_bytes_per_s * eff, hardware.NVLINK_STEP_LATENCY_S.value
@@ -78,30 +91,35 @@ def group_size(lay: Layout, dim: str) -> int:
             "pp": lay.pp}[dim]
 
 
-def predict(m: Model, lay: Layout, gpu: hardware.GPU) -> Prediction:
-    """Memory and step time of a layout: its busiest stage's memory, its slowest stage's time."""
+def predict(m: Model, lay: Layout, gpu: hardware.GPU, links: Links | None = None,
+            compute_s: list[float] | None = None) -> Prediction:
+    """Memory and step time of a layout: its busiest stage's memory, its slowest stage's time. links: collectives as
+    measured on a machine (else hardware.py's NCCL and overlap figures); compute_s: each pipeline stage's compute in
+    a step, measured (else its FLOPs at the GPU's matmul rate)."""
     stages = [costs.rank_costs(m, lay, s) for s in range(lay.pp)]
     memory = max(({"parameters": r.parameters, "gradients": r.gradients, "optimizer": r.optimizer,
                    "activations": r.activation_peak, "total": r.state + r.activation_peak} for r in stages),
                  key=lambda d: d["total"])
     rate = gpu.matmul_flops  # the matmul rate it reaches (hardware.py: measured, a ceiling)
+    overlap = links.overlap if links is not None else {k: f.value for k, f in hardware.OVERLAP.items()}
     worst: dict[str, float] = {}
-    for r in stages:
-        t = {"compute": (r.flops + r.recompute_flops) / rate, "tp": 0.0, "cp": 0.0, "ep": 0.0, "pp": 0.0, "dp": 0.0}
+    for i, r in enumerate(stages):
+        compute = (r.flops + r.recompute_flops) / rate if compute_s is None else compute_s[i]
+        t = {"compute": compute, "tp": 0.0, "cp": 0.0, "ep": 0.0, "pp": 0.0, "dp": 0.0}
         for (kind, dim), (calls, sent) in r.sent.items():
             n = group_size(lay, dim)
             if n == 1 or kind == "recv":
                 continue
-            s = comm_seconds(kind, calls, sent, n, group_link(lay, dim, gpu), gpu)
+            s = comm_seconds(kind, calls, sent, n, group_link(lay, dim, gpu), gpu, links)
             key = {"dp_cp": "dp", "ep_replicas": "dp"}.get(dim, dim)
             t[key] += s
         # What hides: cp's ring behind the attention beside it (at most the compute), the pipeline's sends behind
         # the next micro-batch's compute, dp's behind the step's compute but its first gather and last reduce.
-        t["cp"] = max(0.0, t["cp"] - hardware.OVERLAP["cp_ring"].value * t["compute"])
-        t["pp"] = max(0.0, t["pp"] - hardware.OVERLAP["pp"].value * t["compute"])
+        t["cp"] = max(0.0, t["cp"] - overlap["cp_ring"] * t["compute"])
+        t["pp"] = max(0.0, t["pp"] - overlap["pp"] * t["compute"])
         units = costs.stage_blocks(m.layers, lay.pp, 0) + 1
         edge = 2 * t["dp"] / units  # one unit's gather and one's reduce: nothing to hide them behind
-        t["dp"] = edge + max(0.0, t["dp"] - edge - hardware.OVERLAP["dp"].value * t["compute"])
+        t["dp"] = edge + max(0.0, t["dp"] - edge - overlap["dp"] * t["compute"])
         if sum(t.values()) > sum(worst.values()):
             worst = t
     per_micro = sum(v for k, v in worst.items() if k != "dp") / lay.accumulate
@@ -185,7 +203,7 @@ def llama3_rows() -> list[str]:
     1 under FSDP, predicted by the planner (with activation checkpointing: none fits without)."""
     out = []
     for run in hardware.LLAMA3_405B_RUNS:
-        m = costs.replace(costs.PRESETS["llama3-405b"], context=run.sequence)
+        m = replace(costs.PRESETS["llama3-405b"], context=run.sequence)
         fixed = dict(tp=run.tp, pp=run.pp, cp=run.cp, dp=run.dp, micro_batch=1, parallel="fsdp", checkpointing=True)
         p = plan(m, run.gpus, hardware.GPUS["h100"], 8, run.tokens_per_batch, fixed)[0]
         out.append(f"| {run.gpus:,} | {run.tp} | {run.cp} | {run.pp} | {run.dp} | {run.sequence:,} | "
@@ -198,7 +216,7 @@ def llama3_rows() -> list[str]:
 def model_from(args: argparse.Namespace, p: ArgumentParser) -> Model:
     if args.model is not None:
         m = costs.PRESETS[args.model]
-        return costs.replace(m, context=args.context)
+        return replace(m, context=args.context)
     missing = [f"--{f}" for f in ("layers", "width", "heads") if getattr(args, f) is None]
     if missing:
         p.error(f"argument --model: give a preset ({', '.join(costs.PRESETS)}) or the shape: {', '.join(missing)}")

@@ -15,6 +15,7 @@
 # against it, and then lets the planner weigh every layout of Llama 3 8B, 70B and 405B.
 
 # %%
+import dataclasses
 import sys
 
 import matplotlib.pyplot as plt
@@ -76,7 +77,7 @@ examples = {"DDP, dp 64": costs.Layout(dp=64, parallel="ddp"),
                                                                         accumulate=8),
             "the same, checkpointing": costs.Layout(dp=2, tp=4, pp=8, parallel="fsdp", accumulate=8,
                                                     checkpointing=True)}
-examples = {k: costs.replace(v, precision="bf16") for k, v in examples.items()}
+examples = {k: dataclasses.replace(v, precision="bf16") for k, v in examples.items()}
 preds = {name: plan.predict(llama70, lay, h100) for name, lay in examples.items()}
 fig, ax = plt.subplots(figsize=(9, 3.2))
 for i, p in enumerate(preds.values()):
