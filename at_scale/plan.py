@@ -179,8 +179,9 @@ def layouts(m: Model, gpus: int, gpus_per_node: int, sequences: int, fixed: dict
                         if pp > 1 and acc < pp:
                             continue
                         for parallel in PARALLEL:
-                            if parallel != "fsdp" and (pp > 1 or tp > 1) or parallel == "ddp" and ep > 1:
-                                continue  # the stages split layers (tp, pp) under FSDP2 only; zero_by_hand: dp
+                            if parallel == "ddp" and (pp > 1 or tp > 1) or \
+                                    parallel in ("zero1", "zero2") and dp != gpus:
+                                continue  # the stages split layers (tp, pp) under FSDP2; zero_by_hand is dp alone
                             for ckpt in (False, True):
                                 lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, parallel=parallel, micro_batch=mb,
                                              accumulate=acc, checkpointing=ckpt, precision="bf16")
