@@ -205,3 +205,13 @@ def test_out_holds_every_layout_and_a_picture(plan, tmp_path, capsys):
         assert math.isclose(lay["seconds"]["total"], sum(lay["seconds"][k] for k in plan.TIME_PARTS))
         assert lay["fits"] == (lay["memory_bytes"]["total"] <= plan.hardware.GPUS["h100"].memory_bytes)
     assert (tmp_path / "plan.png").stat().st_size > 10_000
+
+
+def test_readme_ranks_the_published_layout_as_the_planner_does(plan):
+    """The README's 'ranked Nth of the M that fit' for Llama 3 405B's 16,384-GPU, 8K layout is the planner's."""
+    fit = [p for p in plan.plan(plan.costs.PRESETS["llama3-405b"], 16384, plan.hardware.GPUS["h100"], 8, 2**24)
+           if p.fits]
+    rank = next(i + 1 for i, p in enumerate(fit) if (p.layout.tp, p.layout.pp, p.layout.cp, p.layout.dp) ==
+                (8, 16, 1, 128))
+    text = " ".join((ROOT / "at_scale" / "README.md").read_text().split())
+    assert f"ranked {rank}th of the {len(fit)} that fit" in text, (rank, len(fit))
