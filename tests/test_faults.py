@@ -539,7 +539,8 @@ TOOLS = sorted(str(p.relative_to(ROOT).with_suffix("")) for p in [ROOT / "10_pip
                                                                    *ROOT.glob("ddp_by_hand/*.py"),
                                                                    *ROOT.glob("zero_by_hand/*.py"),
                                                                    *ROOT.glob("benchmarks/*.py"),
-                                                                   *ROOT.glob("at_scale/*.py")]
+                                                                   *ROOT.glob("at_scale/*.py"),
+                                                                   *ROOT.glob("debugging/*.py")]
                if "__main__" in p.read_text())  # (at_scale/costs.py, hardware.py: modules, no flags)
 PLAN = ("--model", "llama3-8b", "--gpus", "8", "--global-batch-tokens", "65536")  # plan.py's own flags, all good
 # The flags every stage has, as the stages' own table gives them (without --device cuda, which depends on the machine).
@@ -640,6 +641,10 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
                       ("--checkpointing", "some"): "--checkpointing", ("--show", "0"): "--show",
                       ("--gpus", "8", "--global-batch-tokens", "65536", "--layers", "2"): "--model",  # no width, heads
                       (*PLAN, "--out", "{file}/sub"): "--out"},
+    "debugging/bugs": {("--bug", "deadlock"): "--bug", ("--steps", "3"): "--steps",  # the bugs strike at step 3
+                       ("--batch-size", "0"): "--batch-size", ("--lr", "nan"): "--lr", ("--seed", "x"): "--seed",
+                       ("--world-size", "1"): "--world-size", ("--timeout", "0"): "--timeout",
+                       ("--trace", "{file}/sub"): "--trace"},
     # Its --nanogpt is checked last: the other cases need no nanoGPT checkout (CI has none).
     "benchmarks/vs_nanogpt": {("--nanogpt", "{tmp}"): "--nanogpt", ("--quick=1",): "--quick",
                               ("--out", "{file}/sub"): "--out", ("--timeout", "0"): "--timeout"},

@@ -138,6 +138,12 @@ SHOWN = [
           "torchrun --standalone --nproc_per_node=2 zero_by_hand/zero3.py --batch-size 32 --dtype float64 --epochs 5 "
           "--out runs/zero3"),
     Shown("zero_by_hand/README.md", "max |difference| of the weights", "python zero_by_hand/vs_library.py"),
+    Shown("debugging/README.md", "trained 8 steps", "python debugging/bugs.py --bug none", rel=F32),
+    Shown("debugging/README.md", "[rank 0] watchdog", "python debugging/bugs.py --bug only_rank0"),
+    Shown("debugging/README.md", "[rank 1] watchdog", "python debugging/bugs.py --bug only_rank0"),
+    Shown("debugging/README.md", "Collective sequence number", "python debugging/bugs.py --bug mismatch"),
+    Shown("debugging/README.md", "job failed: process", "TORCH_DISTRIBUTED_DEBUG=DETAIL python debugging/bugs.py"),
+    Shown("debugging/README.md", "replica check: step", "python debugging/bugs.py --bug drift", rel=F32),
     Shown("recipes/comm_hooks/README.md", "--hook allreduce",
           "torchrun --standalone --nproc_per_node=2 recipes/comm_hooks/train.py --epochs 1", rel=F32),
     Shown("recipes/comm_hooks/README.md", "fp16 | epoch replay",

@@ -214,6 +214,9 @@ PRIVATE_ALLOWED = {
         "process, and would hand it the previous one's process groups",
     ("at_scale/simulate", "._scaled_dot_product_flash_attention_for_cpu"):
         "the CPU's attention kernel, which FlopCounterMode leaves uncounted: counted as torch counts its GPU kernels",
+    ("debugging/bugs", "torch._C"):
+        "_distributed_c10d._dump_fr_trace, the flight recorder's dump: NCCL's watchdog calls it on a timeout, gloo's "
+        "never does, and torch has no public name for it (fr_trace reads what it writes)",
     ("at_scale/simulate", "._run_step"): "the stage's own training step (Trainer._run_step, what its train() calls): "
                                          "the simulation runs that step",
 }
@@ -225,7 +228,7 @@ PUBLIC_UNDERSCORED = {"_exit",  # os._exit
 PRIVATE_SCANNED = [*STAGES, *RECIPES, *sorted(str(p.relative_to(ROOT).with_suffix("")) for p in [
     ROOT / "10_pipeline_parallel" / "by_hand.py", *ROOT.glob("ddp_by_hand/*.py"), *ROOT.glob("zero_by_hand/*.py"),
     *ROOT.glob("benchmarks/*.py"), *ROOT.glob("collectives/*.py"), *ROOT.glob("tools/*.py"),
-    *ROOT.glob("at_scale/*.py")])]
+    *ROOT.glob("at_scale/*.py"), *ROOT.glob("debugging/*.py")])]
 
 
 def private_names(source: str) -> set[str]:

@@ -1,0 +1,248 @@
+"""Stage 04's DDP training with one bug a learner really writes planted (--bug), and the checks that find it.
+
+Two CPU processes (gloo), started by mp.spawn, meet through a file (no port). Every rank runs three checks:
+  - a watchdog: when a step makes no progress for half of --timeout, it prints every rank's Python stack, so
+    you see the line each rank waits on; gloo then ends the collective at --timeout and the job exits 1;
+  - the flight recorder (--trace DIR): the last collectives of each rank, dumped by the watchdog, for
+    `python -m torch.distributed.flight_recorder.fr_trace DIR`;
+  - a replica check: after every step, a checksum per parameter all-gathered, naming the first parameter
+    and step where the replicas part.
+
+    python debugging/bugs.py --bug only_rank0 --timeout 6
+    python debugging/bugs.py --bug mismatch --timeout 6 --trace runs/fr
+    python -m torch.distributed.flight_recorder.fr_trace runs/fr
+    python debugging/bugs.py --bug drift
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import math
+import os
+import pickle
+import sys
+import tempfile
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch._C._distributed_c10d import _dump_fr_trace  # the flight recorder's dump (no public name)
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+BUGS = ["none", "only_rank0", "mismatch", "drift"]
+N_TRAIN, N_FEATURES, N_CLASSES, HIDDEN = 1024, 8, 4, 64  # stage 04's task and model, smaller data
+BUG_STEP = 3  # the step where a bug strikes: the steps before it run clean
+
+
+def make_data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 04's task: the label is the argmax of a fixed random linear map of x."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N_TRAIN, N_FEATURES, generator=g)
+    teacher = torch.randn(N_FEATURES, N_CLASSES, generator=g)
+    return x, (x @ teacher).argmax(dim=1)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(N_FEATURES, HIDDEN), nn.ReLU())
+        self.head = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, N_CLASSES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def train(rank: int, args: argparse.Namespace, watchdog: Watchdog) -> None:
+    world = dist.get_world_size()
+    x, y = make_data(args.seed)
+    x, y = x[rank::world], y[rank::world]  # each rank its own share of the samples
+    torch.manual_seed(args.seed)
+    model = DDP(Net())  # sync point: rank 0's weights broadcast to every rank
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    total = torch.zeros((), dtype=torch.float64)  # the loss summed over steps and ranks
+    for step in range(args.steps):
+        watchdog.arm(step)
+        batch = slice(step * args.batch_size % len(x), step * args.batch_size % len(x) + args.batch_size)
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x[batch]), y[batch])
+        loss.backward()  # sync point: DDP all-reduces the gradients
+        optimizer.step()
+        summed = loss.detach().double()
+        if args.bug == "drift" and step == BUG_STEP and rank == 0:
+            # BUG: state changed inside a rank-0-only block (meant for logging); DDP never sees it.
+            model.module.head[2].bias.data.zero_()
+        if args.bug == "mismatch" and step == BUG_STEP and rank == 1:
+            replica_check(model.module, step)  # BUG: rank 1 checks the replicas before the loss all-reduce
+            dist.all_reduce(summed)
+        else:
+            dist.all_reduce(summed)  # sync point: the loss summed over ranks
+            replica_check(model.module, step)
+        total += summed
+    watchdog.arm(args.steps)
+    if args.bug == "only_rank0" and rank == 0:
+        dist.all_reduce(total)  # BUG: a collective only rank 0 calls (it is summed already)
+    if rank == 0:
+        print(f"trained {args.steps} steps | mean loss {total.item() / (args.steps * world):.4f}", flush=True)
+    dist.barrier()  # sync point: every rank done before the group is destroyed
+    watchdog.stop()
+
+
+def replica_check(model: nn.Module, step: int) -> None:
+    """All-gather one checksum per parameter; name the first parameter whose checksums differ between ranks."""
+    names = [name for name, _ in model.named_parameters()]
+    sums = torch.stack([p.detach().double().sum() for p in model.parameters()])
+    gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, sums)  # sync point
+    for i, name in enumerate(names):
+        values = [g[i].item() for g in gathered]
+        if any(v != values[0] for v in values):
+            raise ReplicaDrift(f"replica check: step {step}: parameter {name} differs between ranks "
+                               f"(checksums {', '.join(f'{v:.9g}' for v in values)})")
+
+
+class ReplicaDrift(RuntimeError):
+    pass
+
+
+class Watchdog:
+    """When a step makes no progress for `after` seconds: print this rank's Python stacks and dump its flight
+    recorder. Rearmed at every step; a thread, so it runs while the main thread waits in a collective."""
+
+    def __init__(self, rank: int, after: float, trace: Path | None) -> None:
+        self.rank, self.after, self.trace = rank, after, trace
+        self.timer: threading.Timer | None = None
+
+    def arm(self, step: int) -> None:
+        self.stop()
+        self.timer = threading.Timer(self.after, self.fire, args=(step,))
+        self.timer.daemon = True
+        self.timer.start()
+
+    def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+
+    def fire(self, step: int) -> None:
+        stack = main_thread_stack()
+        print(f"[rank {self.rank}] watchdog: no progress for {self.after:g}s in step {step}; where this rank "
+              f"waits (most recent call first):\n" + "".join(f"[rank {self.rank}] {line}\n"
+                                                             for line in stack.splitlines()), end="", flush=True)
+        dump_flight_recorder(self.rank, self.trace)
+
+
+def main_thread_stack() -> str:
+    """The main thread's stack as faulthandler prints it (from a file: it writes to a file descriptor)."""
+    with tempfile.TemporaryFile("w+") as f:
+        faulthandler.dump_traceback(f, all_threads=True)
+        f.seek(0)
+        blocks = f.read().split("\n\n")
+    main = f"{threading.main_thread().ident:#018x}"  # faulthandler names a thread by its id, in hex
+    return next((b for b in blocks if main in b.splitlines()[0]), "\n\n".join(blocks)).strip()
+
+
+def dump_flight_recorder(rank: int, trace: Path | None) -> None:
+    """Write this rank's flight recorder where fr_trace reads it (one file per rank, a common prefix).
+
+    gloo in torch 2.13 records but never dumps by itself (only NCCL's watchdog does), so the watchdog calls the
+    dump. Its pg_config names the default group "" while its entries name it "0": fr_trace looks each entry's
+    group up in pg_config and fails (KeyError), so the config is keyed as the entries name their group.
+    """
+    if trace is None:
+        return
+    dump = pickle.loads(_dump_fr_trace())
+    config = next(iter(dump["pg_config"].values()), {})
+    dump["pg_config"] = {name: {**config, "name": name, "desc": desc}
+                         for name, desc in {tuple(e["process_group"]) for e in dump["entries"]}}
+    (trace / f"rank_{rank}").write_bytes(pickle.dumps(dump))
+    print(f"[rank {rank}] flight recorder: {len(dump['entries'])} collectives written to {trace}/rank_{rank}",
+          flush=True)
+
+
+def worker(rank: int, args: argparse.Namespace, store_file: str) -> None:
+    store = dist.FileStore(store_file, args.world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=args.world_size,
+                            timeout=timedelta(seconds=args.timeout))
+    watchdog = Watchdog(rank, args.timeout / 2, args.trace)
+    try:
+        train(rank, args, watchdog)
+        if rank == 0:
+            print(f"replica check: {args.steps} steps, every parameter equal on {args.world_size} ranks", flush=True)
+    except ReplicaDrift as e:  # every rank gathered the same checksums: every rank stops here
+        watchdog.stop()
+        if rank == 0:
+            print(e, flush=True)
+        os._exit(1)
+    except RuntimeError as e:  # a collective that timed out, or a mismatch DETAIL caught
+        watchdog.stop()
+        print(f"[rank {rank}] {type(e).__name__}: {first_line(e)}", flush=True)
+        os._exit(1)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip Python's teardown, which a gloo thread can crash (stage 04's exit_without_teardown)
+
+
+def first_line(error: Exception) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else repr(error)
+
+
+def positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line naming the flag, exit 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = ArgumentParser(prog="debugging/bugs.py", description=__doc__.splitlines()[0])
+    p.add_argument("--bug", choices=BUGS, default="none")
+    p.add_argument("--steps", type=positive(int), default=8)
+    p.add_argument("--batch-size", type=positive(int), default=32, help="samples per step per rank")
+    p.add_argument("--lr", type=positive(float), default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--world-size", type=positive(int), default=2)
+    p.add_argument("--timeout", type=positive(float), default=10.0,
+                   help="seconds a collective waits for the other ranks; the watchdog fires at half of it")
+    p.add_argument("--trace", type=Path, help="dump each rank's flight recorder here when the watchdog fires")
+    args = p.parse_args(argv)
+    if args.world_size < 2:
+        p.error("argument --world-size: the bugs need 2 ranks or more")
+    if args.steps <= BUG_STEP:
+        p.error(f"argument --steps: the bugs strike at step {BUG_STEP}: give more than {BUG_STEP} steps")
+    if args.trace is not None:
+        try:
+            args.trace.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=args.trace).close()
+        except OSError as e:
+            p.error(f"argument --trace: cannot write to {args.trace} ({e.strerror})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.trace is not None:  # the flight recorder records only when its buffer is set before the group starts
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "100")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            mp.spawn(worker, args=(args, os.path.join(tmp, "store")), nprocs=args.world_size)
+        except mp.ProcessExitedException as e:
+            print(f"job failed: {e}", file=sys.stderr)
+            sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
