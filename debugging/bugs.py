@@ -164,6 +164,8 @@ def dump_flight_recorder(rank: int, trace: Path | None) -> None:
 
 
 def worker(rank: int, args: argparse.Namespace, store_file: str) -> None:
+    if args.trace is not None:  # the flight recorder records only when its buffer is set before the group starts
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "100")
     store = dist.FileStore(store_file, args.world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=args.world_size,
                             timeout=timedelta(seconds=args.timeout))
@@ -233,8 +235,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.trace is not None:  # the flight recorder records only when its buffer is set before the group starts
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "100")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
         try:
