@@ -70,13 +70,16 @@ class Links:
     latency_s: dict[str, float]
     bytes_per_s: dict[str, float]
     overlap: dict[str, float]
+    after_compute: float = 0.0  # what a call costs more per second of compute before it (the ranks drift apart, and
+    #                             the threads that wait wake slowly): seconds per second
 
 
 def comm_seconds(kind: str, calls: int, sent: float, n: int, link: str, gpu: hardware.GPU,
-                 links: Links | None = None) -> float:
-    """A rank's time in `calls` collectives of `kind` that send `sent` bytes from it in all, over a group of n."""
+                 links: Links | None = None, interval: float = 0.0) -> float:
+    """A rank's time in `calls` collectives of `kind` that send `sent` bytes from it in all, over a group of n;
+    `interval`: the compute before each call (with measured links)."""
     if links is not None:
-        return sent / links.bytes_per_s[kind] + calls * links.latency_s[kind]
+        return sent / links.bytes_per_s[kind] + calls * (links.latency_s[kind] + links.after_compute * interval)
     if link == "nvlink":
         eff = hardware.NVLINK_EFFICIENCY.get(kind, hardware.NVLINK_EFFICIENCY["all_gather"]).value
         bw, step = gpu.nvlink_bytes_per_s * eff, hardware.NVLINK_STEP_LATENCY_S.value
@@ -106,11 +109,11 @@ def predict(m: Model, lay: Layout, gpu: hardware.GPU, links: Links | None = None
     for i, r in enumerate(stages):
         compute = (r.flops + r.recompute_flops) / rate if compute_s is None else compute_s[i]
         t = {"compute": compute, "tp": 0.0, "cp": 0.0, "ep": 0.0, "pp": 0.0, "dp": 0.0}
-        for (kind, dim), (calls, sent) in r.sent.items():
-            n = group_size(lay, dim)
-            if n == 1 or kind == "recv":
-                continue
-            s = comm_seconds(kind, calls, sent, n, group_link(lay, dim, gpu), gpu, links)
+        talks = {key: calls for key, (calls, _) in r.sent.items() if group_size(lay, key[1]) > 1 and key[0] != "recv"}
+        interval = compute / max(1, sum(talks.values()))  # the compute between two collectives, on average
+        for (kind, dim), calls in talks.items():
+            n, sent = group_size(lay, dim), r.sent[kind, dim][1]
+            s = comm_seconds(kind, calls, sent, n, group_link(lay, dim, gpu), gpu, links, interval)
             key = {"dp_cp": "dp", "ep_replicas": "dp"}.get(dim, dim)
             t[key] += s
         # What hides: cp's ring behind the attention beside it (at most the compute), the pipeline's sends behind

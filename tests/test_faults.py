@@ -641,6 +641,10 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
                       ("--checkpointing", "some"): "--checkpointing", ("--show", "0"): "--show",
                       ("--gpus", "8", "--global-batch-tokens", "65536", "--layers", "2"): "--model",  # no width, heads
                       (*PLAN, "--out", "{file}/sub"): "--out"},
+    # Without --measure it reads its measurements from --out: a folder without them is refused.
+    "at_scale/this_machine": {("--measure=1",): "--measure", ("--rounds", "0"): "--rounds",
+                              ("--steps", "0"): "--steps", ("--repeats", "0"): "--repeats",
+                              ("--out", "{tmp}"): "--out", ("--measure", "--out", "{file}/sub"): "--out"},
     "debugging/bugs": {("--bug", "deadlock"): "--bug", ("--steps", "3"): "--steps",  # the bugs strike at step 3
                        ("--batch-size", "0"): "--batch-size", ("--lr", "nan"): "--lr", ("--seed", "x"): "--seed",
                        ("--world-size", "1"): "--world-size", ("--timeout", "0"): "--timeout",
@@ -651,7 +655,9 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
 }
 # Flags a user never gives, each with why: no bad-value case.
 INTERNAL_FLAGS = {("benchmarks/fsdp_memory", "--worker"): "set by its own launcher for each rank; hidden from --help",
-                  ("benchmarks/moe_traffic", "--count"): "set by its own launcher for each rank; hidden from --help"}
+                  ("benchmarks/moe_traffic", "--count"): "set by its own launcher for each rank; hidden from --help",
+                  **{("at_scale/this_machine", flag): "set by its own --measure for each process it starts; hidden "
+                     "from --help" for flag in ("--compute", "--rank", "--matmul")}}
 # Messages that do not name their argument (the one line says what is wrong and the fix, not the flag): reported, and
 # checked as they are.
 UNNAMED = {("ddp_by_hand/compare_runs", "runs"): "no summary.json in ",

@@ -219,6 +219,13 @@ PRIVATE_ALLOWED = {
         "never does, and torch has no public name for it (fr_trace reads what it writes)",
     ("at_scale/simulate", "._run_step"): "the stage's own training step (Trainer._run_step, what its train() calls): "
                                          "the simulation runs that step",
+    # at_scale/this_machine.py times stage 13's step on the fake process group, on real tensors (simulate.py's way).
+    ("at_scale/this_machine", "torch.testing._internal"): "FakeStore, whose import registers the \"fake\" backend: "
+                                                          "the fake process group has no public module",
+    ("at_scale/this_machine", "torch.nn.parallel.distributed._verify_param_shape_across_processes"):
+        "DDP's constructor's check that all ranks' shapes agree, skipped: on the fake group there is no other rank",
+    ("at_scale/this_machine", "._run_step"): "the stage's own training step (Trainer._run_step, what its train() "
+                                             "calls): the step timed",
 }
 PRIVATE = re.compile(r"\b(?:torch|dist)(?:\.[A-Za-z]\w*)*\._[A-Za-z]\w*|\._type\(\)|\.unbox\(")
 # Names with a leading underscore that the standard library documents as public.
