@@ -143,7 +143,9 @@ def active_parameters(m: Model) -> int:
 
 
 def sharded(rows: int, cols: int, n: int) -> int:
-    """Elements of one rank's FSDP2 shard of a [rows, cols] tensor over n ranks: dim 0 cut in n, padded."""
+    """Elements of one rank's FSDP2 shard of a [rows, cols] tensor over n ranks: dim 0 cut in n, padded. (AdamW's
+    moments follow the unpadded shard: the first ranks' is this; the last ranks of a dp larger than a tensor's
+    rows / its shard hold less, down to nothing. The formulas count the first ranks': the busiest.)"""
     return math.ceil(rows / n) * cols
 
 
