@@ -120,7 +120,7 @@ def predict(m: Model, lay: Layout, gpu: hardware.GPU, links: Links | None = None
         # the next micro-batch's compute, dp's behind the step's compute but its first gather and last reduce.
         t["cp"] = max(0.0, t["cp"] - overlap["cp_ring"] * t["compute"])
         t["pp"] = max(0.0, t["pp"] - overlap["pp"] * t["compute"])
-        units = costs.stage_blocks(m.layers, lay.pp, 0) + 1
+        units = costs.stage_blocks(m.layers, lay.pp, i) + 1  # this stage's blocks and its root
         edge = 2 * t["dp"] / units  # one unit's gather and one's reduce: nothing to hide them behind
         t["dp"] = edge + max(0.0, t["dp"] - edge - overlap["dp"] * t["compute"])
         if sum(t.values()) > sum(worst.values()):
@@ -168,7 +168,7 @@ def layouts(m: Model, gpus: int, gpus_per_node: int, sequences: int, fixed: dict
                 continue
             for cp in divisors(gpus // (tp * pp)):
                 dp = gpus // (tp * pp * cp)
-                if m.context % (2 * cp) if cp > 1 else False:
+                if cp > 1 and m.context % (2 * cp):
                     continue
                 if sequences % dp:
                     continue
