@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import math
+import itertools
 import os
 import pickle
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -33,43 +34,36 @@ import torch.nn.functional as F
 from torch import nn
 from torch._C._distributed_c10d import _dump_fr_trace  # the flight recorder's dump (no public name)
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
+from tools.cli import ArgumentParser, positive  # noqa: E402
+from tour import load_stage  # noqa: E402
+
+stage = load_stage("04_ddp_torchrun")  # stage 04's train.py: its model, its data and its sampler
 BUGS = ["none", "only_rank0", "mismatch", "drift"]
-N_TRAIN, N_FEATURES, N_CLASSES, HIDDEN = 1024, 8, 4, 64  # stage 04's task and model, smaller data
 BUG_STEP = 3  # the step where a bug strikes: the steps before it run clean
 
 
-def make_data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage 04's task: the label is the argmax of a fixed random linear map of x."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(N_TRAIN, N_FEATURES, generator=g)
-    teacher = torch.randn(N_FEATURES, N_CLASSES, generator=g)
-    return x, (x @ teacher).argmax(dim=1)
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(N_FEATURES, HIDDEN), nn.ReLU())
-        self.head = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, N_CLASSES))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
+def batches(loader: DataLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Stage 04's batches, epoch after epoch, as its Trainer takes them."""
+    for epoch in itertools.count():
+        loader.sampler.set_epoch(epoch)
+        yield from loader
 
 
 def train(rank: int, args: argparse.Namespace, watchdog: Watchdog) -> None:
     world = dist.get_world_size()
-    x, y = make_data(args.seed)
-    x, y = x[rank::world], y[rank::world]  # each rank its own share of the samples
+    train_set, _ = stage.make_data(args.seed)
+    loader = stage.prepare_dataloader(train_set, args.batch_size, rank, world, args.seed)  # each rank its share
     torch.manual_seed(args.seed)
-    model = DDP(Net())  # sync point: rank 0's weights broadcast to every rank
+    model = DDP(stage.Net())  # sync point: rank 0's weights broadcast to every rank
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     total = torch.zeros((), dtype=torch.float64)  # the loss summed over steps and ranks
-    for step in range(args.steps):
+    for step, (x, y) in enumerate(itertools.islice(batches(loader), args.steps)):
         watchdog.arm(step)
-        batch = slice(step * args.batch_size % len(x), step * args.batch_size % len(x) + args.batch_size)
         optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x[batch]), y[batch])
+        loss = F.cross_entropy(model(x), y)
         loss.backward()  # sync point: DDP all-reduces the gradients
         optimizer.step()
         summed = loss.detach().double()
@@ -191,21 +185,6 @@ def worker(rank: int, args: argparse.Namespace, store_file: str) -> None:
 def first_line(error: Exception) -> str:
     lines = [line for line in str(error).splitlines() if line.strip()]
     return lines[0] if lines else repr(error)
-
-
-def positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line naming the flag, exit 2
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
