@@ -3,11 +3,12 @@
 Every stage so far trained a 4,996-parameter MLP on synthetic data. This one trains a decoder-only transformer
 (model.py) on 1.1 MB of Shakespeare, one character per token (dataset.py), with what the stages taught
 (parallelize.py), each a flag: DDP or FSDP2 (--parallel), tensor parallelism (--tp), gradient accumulation
-(--accumulate), bf16 autocast (--amp), torch.compile (--compile), and sharded checkpoints that resume exactly on any
-number of ranks (--snapshot). It is trained as real trainers train: AdamW with weight decay on the matrices only,
-the learning rate warmed up then decayed along a cosine, the gradient clipped (its norm taken over the whole model,
-however it is split). It reports how fast (tokens/s, and the MFU), how much memory, and how well (evaluate.py): the
-held-out loss beside three baselines computed from the text, and a sample.
+(--accumulate), bf16 autocast (--amp), torch.compile (--compile), sharded checkpoints that resume exactly on any
+number of ranks (--snapshot); and one more, activations recomputed in backward instead of kept (--ac). It is
+trained as real trainers train: AdamW with weight decay on the matrices only, the learning rate warmed up then
+decayed along a cosine, the gradient clipped (its norm taken over the whole model, however it is split). It reports
+how fast (tokens/s, and the MFU), how much memory, and how well (evaluate.py): the held-out loss beside three
+baselines computed from the text, and a sample.
 
     python 11_gpt/train.py --max-steps 100                       # one process, 100 steps
     torchrun --standalone --nproc_per_node=2 11_gpt/train.py     # the default run: about 2 minutes on 2 CPU cores
@@ -270,6 +271,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accumulate", type=checks.positive(int), default=1, help="micro-batches of --batch-size per step")
     p.add_argument("--amp", choices=["bf16"], help="autocast the forward to bfloat16 (the weights stay float32)")
     p.add_argument("--compile", action="store_true", help="torch.compile every block")
+    p.add_argument("--ac", choices=["none", "full", "selective"], default="none",
+                   help="activation checkpointing: recompute every block's forward in backward, or all but its matmuls")
     p.add_argument("--data", type=Path, default=DATA, help="a UTF-8 text to learn (default: tiny Shakespeare)")
     p.add_argument("--context", type=checks.positive(int), default=64, help="characters the model reads at once")
     p.add_argument("--layers", type=checks.positive(int), default=4, help="transformer blocks")
@@ -320,8 +323,8 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
     if master_process:
         fallback = " (no GPU visible: using the CPU)" if args.device == "auto" and device.type == "cpu" else ""
         options = ", ".join(o for o in [f"--accumulate {args.accumulate}" if args.accumulate > 1 else "",
-                                        f"--amp {args.amp}" if args.amp else "", "--compile" if args.compile else ""]
-                            if o)
+                                        f"--amp {args.amp}" if args.amp else "", "--compile" if args.compile else "",
+                                        f"--ac {args.ac}" if args.ac != "none" else ""] if o)
         print(f"[{STAGE}] world size {world_size} = dp {dp} x tp {args.tp} | {args.parallel} | backend "
               f"{dist.get_backend()} | device {device.type}{fallback} | {args.dtype}" + (f" | {options}" if options
                                                                                         else ""))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from context_parallel import ContextParallel
 from grid import Grid
@@ -28,6 +30,26 @@ from pipeline import Pipeline
 # Embeddings, norms and the head stay whole on every tp rank (they are small here); FSDP2 shards them over dp.
 TP_PLAN = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
            "attn.proj": RowwiseParallel(), "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
+
+# --ac selective keeps the outputs of the ops costly to recompute, named as autograd sees them: the matmuls (nn.Linear
+# is addmm; mm and bmm as they appear), attention (aten::_scaled_dot_product_..., one kernel per device), and under
+# --tp the all-reduce of a row-wise layer's sums (else a collective again in backward). The rest (norms, gelu, adds,
+# reshapes) is recomputed from them.
+KEEP = {"aten::mm", "aten::addmm", "aten::bmm", "_c10d_functional::all_reduce"}
+
+
+def keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    keep = op.name() in KEEP or op.name().startswith("aten::_scaled_dot_product")
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpointed(block: nn.Module, ac: str) -> None:
+    """--ac full: the block keeps its input alone for backward, which runs its forward again to rebuild the rest.
+    --ac selective: it keeps what KEEP makes too, and recomputes only the cheap ops between them. (In place: the
+    parameters keep their names.)"""
+    forward = block.forward
+    keep = {"context_fn": partial(create_selective_checkpoint_contexts, keep_matmuls)} if ac == "selective" else {}
+    block.forward = lambda x: checkpoint(forward, x, use_reentrant=False, **keep)
 
 
 def parallelize(model: GPT, grid: Grid, cp: ContextParallel, args: argparse.Namespace) -> nn.Module:
@@ -43,6 +65,11 @@ def parallelize(model: GPT, grid: Grid, cp: ContextParallel, args: argparse.Name
             parallelize_module(block, grid.mesh["tp"], TP_PLAN)
         # Gathering a weight split over tp and sharded over dp takes two all-gathers: torch warns, on every rank.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    if args.ac != "none":  # torchtitan's order: after tp, so that the recomputed forward is each rank's slice of it;
+        # before compile, which then traces the recomputation into each block's graph; before FSDP2, whose hooks on
+        # the block gather its weights around the forward and again in backward, where the recomputation runs.
+        for block in model.blocks.values():
+            checkpointed(block, args.ac)
     if args.compile:  # each block compiled on its own, in place (the parameters keep their names)
         for block in model.blocks.values():
             block.compile()

@@ -162,6 +162,7 @@ class MoE(nn.Module):
         self.capacity_factor: float | None = None  # --capacity-factor; None: dropless
         self.balance_group: dist.ProcessGroup | None = None  # --balance batch: the micro-batch's ranks
         self.aux_weight = 0.0  # --aux-weight, per micro-batch (set by parallelize())
+        self.recomputing = False  # --ac: True while backward runs the forward again (parallelize.checkpointed)
         # For the log and --out, a tally per forward in training: tokens per expert, balancing loss, dropped pairs.
         self.tallies: list[torch.Tensor] = []
 
@@ -193,8 +194,9 @@ class MoE(nn.Module):
         if self.training:
             aux = balance_loss(probs, chosen, self.balance_group)
             out = WithBalanceLoss.apply(out, aux, self.aux_weight)
-            dropped = (routed - counts).sum()
-            self.tallies.append(torch.cat([routed.double(), aux.detach().double()[None], dropped.double()[None]]))
+            if not self.recomputing:  # (recomputed, the same tokens take the same experts: tallied once)
+                dropped = (routed - counts).sum()
+                self.tallies.append(torch.cat([routed.double(), aux.detach().double()[None], dropped.double()[None]]))
         return out.view(shape)
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -15,6 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from context_parallel import ContextParallel
 from experts import ExpertParallel, MoE, expert_params
@@ -29,6 +32,41 @@ from pipeline import Pipeline
 # (ep splits them instead). Embeddings, norms and the head stay whole on every tp rank; FSDP2 shards them over dp.
 TP_PLAN = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
            "attn.proj": RowwiseParallel()}
+
+# --ac selective keeps the outputs of the ops costly to recompute, named as autograd sees them: the matmuls (nn.Linear
+# is addmm; mm and bmm as they appear), attention (aten::_scaled_dot_product_..., one kernel per device), and under
+# --tp the all-reduce of a row-wise layer's sums (else a collective again in backward). The rest (norms, gelu, adds,
+# reshapes) is recomputed from them.
+KEEP = {"aten::mm", "aten::addmm", "aten::bmm", "_c10d_functional::all_reduce"}
+
+
+def keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    keep = op.name() in KEEP or op.name().startswith("aten::_scaled_dot_product")
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpointed(block: nn.Module, ac: str) -> None:
+    """--ac full: the block keeps its input alone for backward, which runs its forward again to rebuild the rest.
+    --ac selective: it keeps what KEEP makes too, and recomputes only the cheap ops between them. (In place: the
+    parameters keep their names.) Its experts are told when they are recomputed: they tally their tokens once."""
+    forward, moes = block.forward, [m for m in block.modules() if isinstance(m, MoE)]
+
+    def contexts():  # (the first runs around the forward, the second around its recomputation)
+        keep, replay = create_selective_checkpoint_contexts(keep_matmuls) if ac == "selective" else noop_context_fn()
+        return keep, recomputing(moes, replay)
+    block.forward = lambda x: checkpoint(forward, x, use_reentrant=False, context_fn=contexts)
+
+
+@contextmanager
+def recomputing(moes: list[MoE], replay) -> Iterator[None]:
+    for moe in moes:
+        moe.recomputing = True
+    try:
+        with replay:
+            yield
+    finally:
+        for moe in moes:
+            moe.recomputing = False
 
 
 def parallelize(model: GPT, grid: Grid, cp: ContextParallel, ep: ExpertParallel,
@@ -56,6 +94,13 @@ def parallelize(model: GPT, grid: Grid, cp: ContextParallel, ep: ExpertParallel,
             parallelize_module(block, grid.mesh["tp"], TP_PLAN)
         # Gathering a weight split over tp and sharded over dp takes two all-gathers: torch warns, on every rank.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    if args.ac != "none":  # torchtitan's order: after tp, so that the recomputed forward is each rank's slice of it;
+        # before compile, which then traces the recomputation into each block's graph; before FSDP2, whose hooks on
+        # the block gather its weights around the forward and again in backward, where the recomputation runs.
+        # Under --ep the attention alone: recomputing the experts would send every token to its experts and back
+        # again in backward (two more all-to-alls a block, and a wait for the counts); they keep what they made.
+        for block in model.blocks.values():
+            checkpointed(block.attn if ep.size > 1 else block, args.ac)
     if args.compile:  # each block compiled on its own, in place (the parameters keep their names)
         for block in model.blocks.values():
             block.compile()
@@ -131,7 +176,7 @@ def replica_max_abs_diff(model: nn.Module, grid: Grid, ep: ExpertParallel) -> fl
     own = {id(p) for p in experts}
     rest = [p for p in model.parameters() if id(p) not in own]
     gap = largest_gap(rest, grid.group("dp_cp"))
-    return max(gap, largest_gap(experts, ep.replicas)) if ep.replicas is not None else gap
+    return max(gap, largest_gap(experts, ep.replicas)) if experts and ep.replicas is not None else gap
 
 
 def largest_gap(params: list[nn.Parameter], group: dist.ProcessGroup) -> float:

@@ -300,6 +300,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="micro-batches of --batch-size per step (under --pp, the pipeline's micro-batches)")
     p.add_argument("--amp", choices=["bf16"], help="autocast the forward to bfloat16 (the weights stay float32)")
     p.add_argument("--compile", action="store_true", help="torch.compile every block")
+    p.add_argument("--ac", choices=["none", "full", "selective"], default="none",
+                   help="activation checkpointing: recompute every block's forward in backward, or all but its matmuls")
     p.add_argument("--data", type=Path, default=DATA, help="a UTF-8 text to learn (default: tiny Shakespeare)")
     p.add_argument("--context", type=checks.positive(int), default=64, help="characters the model reads at once")
     p.add_argument("--layers", type=checks.positive(int), default=4, help="transformer blocks")
@@ -351,8 +353,8 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
     if master_process:
         fallback = " (no GPU visible: using the CPU)" if args.device == "auto" and device.type == "cpu" else ""
         options = ", ".join(o for o in [f"--accumulate {args.accumulate}" if args.accumulate > 1 else "",
-                                        f"--amp {args.amp}" if args.amp else "", "--compile" if args.compile else ""]
-                            if o)
+                                        f"--amp {args.amp}" if args.amp else "", "--compile" if args.compile else "",
+                                        f"--ac {args.ac}" if args.ac != "none" else ""] if o)
         how = f" ({args.cp_impl}{', zigzag' if cp.zigzag else ', contiguous'})" if cp.size > 1 else ""
         stages = f"pp {pipe.size} ({args.pp_schedule}, {args.accumulate} micro-batch" \
             f"{'es' if args.accumulate > 1 else ''}) x " if pipe.size > 1 else ""

@@ -510,7 +510,7 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
                   ("--tp", "0"): "--tp", ("--tp", "x"): "--tp", ("--tp", "2"): "--tp",  # a world of 1; and DDP
                   ("--accumulate", "0"): "--accumulate", ("--amp", "fp16"): "--amp",
                   ("--amp", "bf16", "--dtype", "float64"): "--amp",  # autocast leaves float64 alone
-                  ("--compile=1",): "--compile", ("--data", "{file}/input.txt"): "--data",
+                  ("--compile=1",): "--compile", ("--ac", "partial"): "--ac", ("--data", "{file}/input.txt"): "--data",
                   ("--data", "{tmp}"): "--data",  # a directory
                   ("--context", "0"): "--context", ("--context", "200000"): "--context",  # longer than the text
                   ("--layers", "0"): "--layers", ("--heads", "0"): "--heads", ("--heads", "3"): "--heads",

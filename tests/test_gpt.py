@@ -429,7 +429,7 @@ def test_bf16_with_fsdp_computes_with_bfloat16_weights_and_steps_float32_shards(
         for amp in ("bf16", None):
             torch.manual_seed(0)
             model = gpt.parallelize(gpt.GPT(gpt.Config(65, 32, 2, 2, 32)),
-                                    grid, SimpleNamespace(tp=1, compile=False, parallel="fsdp", amp=amp))
+                                    grid, SimpleNamespace(tp=1, ac="none", compile=False, parallel="fsdp", amp=amp))
             computed: set[torch.dtype] = set()
             for layer in [m for m in model.modules() if isinstance(m, torch.nn.Linear)]:
                 layer.register_forward_pre_hook(lambda mod, _, into=computed: into.add(mod.weight.dtype))
