@@ -1,28 +1,31 @@
 """Stage 04's DDP training with one bug a learner really writes planted (--bug), and the checks that find it.
 
-Two CPU processes (gloo), started by mp.spawn, meet through a file (no port). Every rank runs three checks:
+Two CPU processes (gloo), forked by mp, meet through a file (no port). Every rank runs three checks:
   - a watchdog: when a step makes no progress for half of --timeout, it prints every rank's Python stack, so
     you see the line each rank waits on; gloo then ends the collective at --timeout and the job exits 1;
   - the flight recorder (--trace DIR): the last collectives of each rank, dumped by the watchdog, for
     `python -m torch.distributed.flight_recorder.fr_trace DIR`;
   - a replica check: after every step, a checksum per parameter all-gathered, naming the first parameter
-    and step where the replicas part.
+    and step where the replicas part; and, with --finite-check, every rank's loss checked before backward.
 
-    python debugging/bugs.py --bug only_rank0 --timeout 6
-    python debugging/bugs.py --bug mismatch --timeout 6 --trace runs/fr
-    python -m torch.distributed.flight_recorder.fr_trace runs/fr
-    python debugging/bugs.py --bug drift
+    python debugging/bugs.py --bug only_rank0 --timeout 6     (also: mismatch --trace DIR, drift, crash)
+    TORCH_DISTRIBUTED_DEBUG=INFO python debugging/bugs.py --bug unused --no-replica-check   (also: replaced, twice)
+    python debugging/bugs.py --bug nan --finite-check
+    python debugging/bugs.py --bug sendrecv --sync-sends --timeout 6      (NCCL's rules for messages, on gloo)
 """
 from __future__ import annotations
 
 import argparse
 import faulthandler
 import itertools
+import math
 import os
 import pickle
+import statistics
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -34,14 +37,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch._C._distributed_c10d import _dump_fr_trace  # the flight recorder's dump (no public name)
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
-from tools.cli import ArgumentParser, positive  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repository root: tools/ and tour.py
+from tools.cli import ArgumentParser, ensure_writable, positive  # noqa: E402
 from tour import load_stage  # noqa: E402
 
 stage = load_stage("04_ddp_torchrun")  # stage 04's train.py: its model, its data and its sampler
-BUGS = ["none", "only_rank0", "mismatch", "drift"]
+BUGS = ["none", "only_rank0", "mismatch", "drift", "unused", "twice", "replaced", "nan", "crash", "sendrecv"]
 BUG_STEP = 3  # the step where a bug strikes: the steps before it run clean
 
 
@@ -52,21 +57,55 @@ def batches(loader: DataLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         yield from loader
 
 
+class WithSpare(stage.Net):
+    """Stage 04's Net and one more layer, which its forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spare = nn.Linear(stage.HIDDEN, stage.HIDDEN)  # BUG: a layer the forward skips: it gets no gradient
+
+
+class Shared(stage.Net):
+    """Stage 04's Net with head[0] applied twice (one layer, its weights shared), each use recomputed in backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        for _ in range(2):  # BUG: one layer in two reentrant checkpoints: its gradient is ready twice
+            h = checkpoint(self.head[0], h, use_reentrant=True).relu()
+        return self.head[2](h)
+
+
+def make_model(bug: str) -> nn.Module:
+    return {"unused": WithSpare, "twice": Shared}.get(bug, stage.Net)()
+
+
 def train(rank: int, args: argparse.Namespace, watchdog: Watchdog) -> None:
     world = dist.get_world_size()
     train_set, _ = stage.make_data(args.seed)
     loader = stage.prepare_dataloader(train_set, args.batch_size, rank, world, args.seed)  # each rank its share
     torch.manual_seed(args.seed)
-    model = DDP(stage.Net())  # sync point: rank 0's weights broadcast to every rank
+    # sync point: rank 0's weights broadcast to every rank
+    model = DDP(make_model(args.bug), find_unused_parameters=args.find_unused)
+    if args.bug == "replaced":
+        model.module.head[2] = nn.Linear(stage.HIDDEN, stage.N_CLASSES)  # BUG: a layer replaced after DDP(...)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     total = torch.zeros((), dtype=torch.float64)  # the loss summed over steps and ranks
     for step, (x, y) in enumerate(itertools.islice(batches(loader), args.steps)):
         watchdog.arm(step)
         optimizer.zero_grad(set_to_none=True)
+        if args.bug == "nan" and step == BUG_STEP and rank == 1:
+            x = x.clone()
+            x[0] = float("nan")  # BUG: one corrupt sample in rank 1's batch
         loss = F.cross_entropy(model(x), y)
+        if args.bug == "crash" and step == BUG_STEP and rank == 1:
+            raise torch.OutOfMemoryError("planted: rank 1 fails alone (a stand-in for running out of memory)")
+        if args.finite_check:
+            finite_check(loss, step)
         loss.backward()  # sync point: DDP all-reduces the gradients
         optimizer.step()
         summed = loss.detach().double()
+        if args.bug == "sendrecv":  # messages by hand, as stage 10's pipeline sends activations: to the other rank
+            exchange(summed, rank)
         if args.bug == "drift" and step == BUG_STEP and rank == 0:
             # BUG: state changed inside a rank-0-only block (meant for logging); DDP never sees it.
             model.module.head[2].bias.data.zero_()
@@ -75,7 +114,8 @@ def train(rank: int, args: argparse.Namespace, watchdog: Watchdog) -> None:
             dist.all_reduce(summed)
         else:
             dist.all_reduce(summed)  # sync point: the loss summed over ranks
-            replica_check(model.module, step)
+            if args.replica_check:
+                replica_check(model.module, step)
         total += summed
     watchdog.arm(args.steps)
     if args.bug == "only_rank0" and rank == 0:
@@ -84,6 +124,56 @@ def train(rank: int, args: argparse.Namespace, watchdog: Watchdog) -> None:
         print(f"trained {args.steps} steps | mean loss {total.item() / (args.steps * world):.4f}", flush=True)
     dist.barrier()  # sync point: every rank done before the group is destroyed
     watchdog.stop()
+    if broken := [name for name, p in model.module.named_parameters() if not p.isfinite().all()]:
+        print(f"[rank {rank}] {len(broken)} of {len(list(model.parameters()))} parameters hold NaN or inf: "
+              f"{', '.join(broken)}", flush=True)
+
+
+def exchange(mine: torch.Tensor, rank: int) -> torch.Tensor:
+    """Send this rank's tensor to the other rank and receive the other's, as stage 10's first version did."""
+    theirs = torch.empty_like(mine)
+    sent = dist.isend(mine, 1 - rank)  # BUG: both ranks send first, then receive: on NCCL the send waits for the
+    dist.recv(theirs, 1 - rank)  # receive, and the receive, queued behind it, never runs
+    sent.wait()
+    return theirs
+
+
+def finite_check(loss: torch.Tensor, step: int) -> None:
+    """All-gather every rank's loss before backward; name the first rank whose loss is not finite."""
+    losses = [torch.empty_like(loss) for _ in range(dist.get_world_size())]
+    dist.all_gather(losses, loss.detach())  # sync point
+    if bad := [rank for rank, value in enumerate(losses) if not value.isfinite()]:
+        raise CheckFailed(f"finite check: step {step}: the loss is {losses[bad[0]].item()} on rank {bad[0]} "
+                          f"(losses {', '.join(f'{value.item():.4f}' for value in losses)})")
+
+
+def time_find_unused(rank: int, args: argparse.Namespace) -> None:
+    """Stage 04's step with find_unused_parameters off and on, in turns: rounds of --steps steps each, timed on rank 0
+    (a step waits for the slower rank in its all-reduce). The same model, data and weights: only the flag differs."""
+    train_set, _ = stage.make_data(args.seed)
+    loader = stage.prepare_dataloader(train_set, args.batch_size, rank, dist.get_world_size(), args.seed)
+    data = list(itertools.islice(batches(loader), args.steps))
+    ms: dict[bool, list[float]] = {False: [], True: []}
+    models = {}
+    for find in ms:
+        torch.manual_seed(args.seed)
+        models[find] = DDP(stage.Net(), find_unused_parameters=find)  # sync point
+    for round_ in range(args.time_find_unused + 1):  # round 0 warms up (DDP rebuilds its buckets after step 0)
+        for find, model in models.items():
+            dist.barrier()  # sync point: both ranks start the round together
+            start = time.perf_counter()
+            for x, y in data:
+                model.zero_grad(set_to_none=True)
+                F.cross_entropy(model(x), y).backward()  # sync point: DDP's all-reduce
+            if round_ > 0:
+                ms[find].append((time.perf_counter() - start) * 1e3 / len(data))
+    if rank == 0:
+        for find, times in ms.items():
+            print(f"find_unused_parameters={find}: {statistics.median(times):.3f} ms/step (median of "
+                  f"{len(times)} rounds of {len(data)} steps; rounds {min(times):.3f} ms to {max(times):.3f} ms)")
+        spread = max(max(t) - min(t) for t in ms.values())
+        print(f"difference of the medians: {statistics.median(ms[True]) - statistics.median(ms[False]):+.3f} ms/step; "
+              f"widest spread of a setting's rounds: {spread:.3f} ms/step", flush=True)
 
 
 def replica_check(model: nn.Module, step: int) -> None:
@@ -94,13 +184,13 @@ def replica_check(model: nn.Module, step: int) -> None:
     dist.all_gather(gathered, sums)  # sync point
     for i, name in enumerate(names):
         values = [g[i].item() for g in gathered]
-        if any(v != values[0] for v in values):
-            raise ReplicaDrift(f"replica check: step {step}: parameter {name} differs between ranks "
-                               f"(checksums {', '.join(f'{v:.9g}' for v in values)})")
+        if any(v != values[0] and not (math.isnan(v) and math.isnan(values[0])) for v in values):  # NaN is NaN
+            raise CheckFailed(f"replica check: step {step}: parameter {name} differs between ranks "
+                              f"(checksums {', '.join(f'{v:.9g}' for v in values)})")
 
 
-class ReplicaDrift(RuntimeError):
-    pass
+class CheckFailed(RuntimeError):
+    """A check found a fault; every rank gathered the same numbers, so every rank raises it at once."""
 
 
 class Watchdog:
@@ -160,31 +250,41 @@ def dump_flight_recorder(rank: int, trace: Path | None) -> None:
 def worker(rank: int, args: argparse.Namespace, store_file: str) -> None:
     if args.trace is not None:  # the flight recorder records only when its buffer is set before the group starts
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "100")
+    if args.sync_sends:  # NCCL's rules laid over gloo: a send is done only once its receiver has taken it
+        sys.path.insert(0, str(ROOT / "tests"))
+        import sync_sends
+        sync_sends.install()
     store = dist.FileStore(store_file, args.world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=args.world_size,
                             timeout=timedelta(seconds=args.timeout))
     watchdog = Watchdog(rank, args.timeout / 2, args.trace)
     try:
+        if args.time_find_unused:
+            time_find_unused(rank, args)
+            dist.barrier()
+            os._exit(0)
         train(rank, args, watchdog)
-        if rank == 0:
+        if rank == 0 and args.replica_check:
             print(f"replica check: {args.steps} steps, every parameter equal on {args.world_size} ranks", flush=True)
-    except ReplicaDrift as e:  # every rank gathered the same checksums: every rank stops here
+    except CheckFailed as e:  # every rank gathered the same numbers: every rank stops here
         watchdog.stop()
         if rank == 0:
             print(e, flush=True)
         os._exit(1)
-    except RuntimeError as e:  # a collective that timed out, or a mismatch DETAIL caught
+    except RuntimeError as e:  # a collective that timed out, a peer that died, DDP's own errors
         watchdog.stop()
-        print(f"[rank {rank}] {type(e).__name__}: {first_line(e)}", flush=True)
+        print("".join(f"[rank {rank}] {line}\n" for line in message(e)), end="", flush=True)
         os._exit(1)
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # skip Python's teardown, which a gloo thread can crash (stage 04's exit_without_teardown)
 
 
-def first_line(error: Exception) -> str:
-    lines = [line for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else repr(error)
+def message(error: Exception) -> list[str]:
+    """The error's lines, its type first, without the C++ stack some carry ("Exception raised from ...")."""
+    lines = [line.strip() for line in f"{type(error).__name__}: {error}".splitlines() if line.strip()]
+    cut = next((i for i, line in enumerate(lines) if line.startswith("Exception raised from")), len(lines))
+    return lines[:cut]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -198,15 +298,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=positive(float), default=10.0,
                    help="seconds a collective waits for the other ranks; the watchdog fires at half of it")
     p.add_argument("--trace", type=Path, help="dump each rank's flight recorder here when the watchdog fires")
+    p.add_argument("--no-replica-check", dest="replica_check", action="store_false",
+                   help="leave the replica check out: see what a script without it sees")
+    p.add_argument("--find-unused", action="store_true", help="DDP(..., find_unused_parameters=True)")
+    p.add_argument("--time-find-unused", type=positive(int), metavar="ROUNDS",
+                   help="instead of training: time --steps steps with find_unused_parameters off and on, in turns")
+    p.add_argument("--sync-sends", action="store_true",
+                   help="run messages as NCCL does (tests/sync_sends.py): a send waits for its receiver")
+    p.add_argument("--finite-check", action="store_true",
+                   help="all-gather every rank's loss before backward; stop at the first one not finite")
     args = p.parse_args(argv)
     if args.world_size < 2:
         p.error("argument --world-size: the bugs need 2 ranks or more")
+    if args.bug == "sendrecv" and args.world_size != 2:
+        p.error("argument --world-size: --bug sendrecv exchanges between 2 ranks: give 2")
     if args.steps <= BUG_STEP:
         p.error(f"argument --steps: the bugs strike at step {BUG_STEP}: give more than {BUG_STEP} steps")
     if args.trace is not None:
         try:
-            args.trace.mkdir(parents=True, exist_ok=True)
-            tempfile.TemporaryFile(dir=args.trace).close()
+            ensure_writable(args.trace)
         except OSError as e:
             p.error(f"argument --trace: cannot write to {args.trace} ({e.strerror})")
     return args
@@ -217,7 +327,9 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            mp.spawn(worker, args=(args, os.path.join(tmp, "store")), nprocs=args.world_size)
+            # Forked, the ranks start from this process's import of torch and stage 04 instead of importing them again.
+            mp.start_processes(worker, args=(args, os.path.join(tmp, "store")), nprocs=args.world_size,
+                               start_method="fork")
         except mp.ProcessExitedException as e:
             print(f"job failed: {e}", file=sys.stderr)
             sys.exit(1)

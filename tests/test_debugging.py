@@ -8,7 +8,15 @@ their output and the flight recorder's files, launching nothing. Each claim is c
 - mismatch: fr_trace names the sequence number where the ranks' recorded collectives first differ, the culprit
   rank and both kinds; the watchdog names rank 1's misplaced call;
 - drift: the replica check names the parameter bugs.py changes and the step it changes it at;
-- none: the same script without a bug passes every check (no false alarm).
+- none: the same script without a bug passes every check (no false alarm);
+- unused, replaced, twice: DDP's own error on every rank, and the parameters it names (by index, and by name under
+  TORCH_DISTRIBUTED_DEBUG=INFO) are the ones bugs.py leaves without a gradient or uses twice, found in its own model;
+  unused with the replica check on: the replicas part at step 0, a step before DDP's error; with
+  --find-unused it trains and every check passes;
+- nan: without a check the NaN reaches every parameter of every rank; the finite check names rank 1 and the step;
+- crash: one rank's exception ends the job well before --timeout, and the first error line names that rank;
+- sendrecv: an isend then a recv on both ranks trains on gloo; under NCCL's rules (--sync-sends, tests/sync_sends.py)
+  it hangs until --timeout, each rank's stack dump names the line of its receive, and a send is never taken.
 Nothing is left running (readme_run's check).
 """
 from __future__ import annotations
@@ -27,6 +35,20 @@ NONE = "python debugging/bugs.py --bug none"
 HANG = f'python debugging/bugs.py --bug only_rank0 --timeout {TIMEOUT} 2>&1 || echo "exit status $?"'
 MISMATCH = f'python debugging/bugs.py --bug mismatch --timeout {TIMEOUT} --trace runs/fr 2>&1 || echo "exit status $?"'
 DRIFT = 'python debugging/bugs.py --bug drift 2>&1 || echo "exit status $?"'
+UNUSED = ('TORCH_DISTRIBUTED_DEBUG=INFO python debugging/bugs.py --bug unused --no-replica-check 2>&1 '
+          '|| echo "exit status $?"')
+UNUSED_CHECKED = 'python debugging/bugs.py --bug unused 2>&1 || echo "exit status $?"'
+FIND_UNUSED = "python debugging/bugs.py --bug unused --find-unused"
+REPLACED = ('TORCH_DISTRIBUTED_DEBUG=INFO python debugging/bugs.py --bug replaced --no-replica-check 2>&1 '
+            '|| echo "exit status $?"')
+TWICE = 'python debugging/bugs.py --bug twice 2>&1 || echo "exit status $?"'
+NAN = "python debugging/bugs.py --bug nan 2>&1"
+NAN_CHECK = 'python debugging/bugs.py --bug nan --finite-check 2>&1 || echo "exit status $?"'
+CRASH_TIMEOUT = 120  # the --timeout of the crash's command: far above its time limit
+CRASH = f'python debugging/bugs.py --bug crash --timeout {CRASH_TIMEOUT} 2>&1 || echo "exit status $?"'
+SENDRECV_SYNC = (f'python debugging/bugs.py --bug sendrecv --sync-sends --timeout {TIMEOUT} 2>&1 '
+                 '|| echo "exit status $?"')
+UNFINISHED = "Expected to have finished reduction in the prior iteration before starting a new one"
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +73,15 @@ def waits_at(output: str, rank: int) -> list[int]:
 def test_a_collective_only_rank_0_calls_hangs_until_the_timeout_and_the_stacks_name_each_rank_s_line(readme_runs):
     run = readme_run(readme_runs, HANG)
     assert "exit status 1" in run.stdout, run.describe()
-    limit = time_limit(programs=3, waits=TIMEOUT)  # mp.spawn's parent and 2 ranks
+    limit = time_limit(programs=3, waits=TIMEOUT)  # the launcher and its 2 ranks
     assert TIMEOUT <= run.seconds <= limit, f"{run.seconds:.1f}s, not in [{TIMEOUT}, {limit:.1f}] ({limit.how})"
-    assert run.stdout.count("Timed out waiting 6000ms") == 2, run.describe()  # both ranks, by gloo's timeout
+    errors = dict(re.findall(r"^\[rank (\d)\] RuntimeError: (.*)$", run.stdout, re.M))
+    # The first rank to fail: by gloo's timeout. The other (if the launcher has not stopped it first): the same, or the
+    # first one's exit.
+    assert "Timed out waiting 6000ms" in "".join(errors.values()), run.describe()
+    assert all("Timed out waiting 6000ms" in e or "Connection closed by peer" in e for e in errors.values()), errors
     assert waits_at(run.stdout, 0)[:1] == [line_of("dist.all_reduce(total)  # BUG")], run.stdout
-    assert waits_at(run.stdout, 1)[:1] == [line_of("dist.barrier()")], run.stdout
+    assert waits_at(run.stdout, 1)[:1] == [line_of("dist.barrier()  # sync point: every rank done")], run.stdout
 
 
 @pytest.mark.readme_run(MISMATCH)
@@ -94,3 +120,123 @@ def test_without_a_bug_every_check_passes(readme_runs, bugs):
     steps = bugs.parse_args([]).steps
     assert f"replica check: {steps} steps, every parameter equal on 2 ranks" in run.stdout, run.stdout
     assert "watchdog" not in run.stdout + run.stderr and "differs" not in run.stdout, run.describe()
+
+
+def param_names(model) -> list[str]:
+    return [name for name, _ in model.named_parameters()]
+
+
+def failed_ranks(output: str, error: str) -> list[int]:
+    """The ranks that printed DDP's `error` (at least one: the launcher may stop the other before it prints)."""
+    ranks = sorted({int(r) for r in re.findall(rf"^\[rank (\d)\] RuntimeError: {re.escape(error)}", output, re.M)})
+    assert ranks, output
+    return ranks
+
+
+def ddp_named(output: str, rank: int, what: str) -> tuple[set[str], set[str]]:
+    """The parameters DDP's error on `rank` names: by name (TORCH_DISTRIBUTED_DEBUG=INFO) and by index."""
+    names = re.search(rf"^\[rank {rank}\] Parameters which did not receive grad for rank {rank}: (.+)$", output, re.M)
+    indices = re.search(rf"^\[rank {rank}\] Parameter indices which did not receive grad for rank {rank}: (.+)$",
+                        output, re.M)
+    assert names and indices, (what, output)
+    return set(names.group(1).split(", ")), {int(i) for i in indices.group(1).split()}
+
+
+@pytest.mark.readme_run(UNUSED)
+def test_a_layer_the_forward_skips_is_named_by_ddp_s_own_error(readme_runs, bugs):
+    run = readme_run(readme_runs, UNUSED)
+    assert "exit status 1" in run.stdout, run.describe()
+    model = bugs.make_model("unused")
+    spare = set(param_names(model)) - set(param_names(bugs.stage.Net()))  # the parameters stage 04's Net lacks
+    assert spare == {"spare.weight", "spare.bias"}, spare
+    for rank in failed_ranks(run.stdout, UNFINISHED):  # the symptom
+        names, indices = ddp_named(run.stdout, rank, "unused")
+        assert names == spare, names
+        assert {param_names(model)[i] for i in indices} == spare, indices
+
+
+@pytest.mark.readme_run(UNUSED_CHECKED)
+def test_a_layer_the_forward_skips_parts_the_replicas_a_step_before_ddp_s_error(readme_runs, bugs):
+    run = readme_run(readme_runs, UNUSED_CHECKED)
+    assert "exit status 1" in run.stdout, run.describe()
+    found = re.search(r"replica check: step (\d+): parameter (\S+) differs between ranks", run.stdout)
+    assert found and found.group(1) == "0", run.stdout  # the first step: its all-reduce never ran
+    assert found.group(2) in param_names(bugs.stage.Net()) and UNFINISHED not in run.stdout, run.stdout
+
+
+@pytest.mark.readme_run(FIND_UNUSED)
+def test_find_unused_parameters_lets_the_layer_the_forward_skips_train(readme_runs, bugs):
+    run = readme_run(readme_runs, FIND_UNUSED)  # exit 0
+    steps = bugs.parse_args([]).steps
+    assert f"replica check: {steps} steps, every parameter equal on 2 ranks" in run.stdout, run.stdout
+
+
+@pytest.mark.readme_run(REPLACED)
+def test_a_layer_replaced_after_ddp_is_named_by_ddp_s_own_error(readme_runs):
+    run = readme_run(readme_runs, REPLACED)
+    assert "exit status 1" in run.stdout, run.describe()
+    source = BUGS.read_text()
+    replaced = re.search(r"model\.module\.(\w+)\[(\d+)\] = .*# BUG", source)  # the layer bugs.py replaces
+    assert replaced, "bugs.py replaces no layer"
+    layer = f"{replaced.group(1)}.{replaced.group(2)}"
+    for rank in failed_ranks(run.stdout, UNFINISHED):
+        names, _ = ddp_named(run.stdout, rank, "replaced")
+        assert names == {f"{layer}.weight", f"{layer}.bias"}, names  # the old layer's, which DDP still waits for
+
+
+@pytest.mark.readme_run(TWICE)
+def test_a_layer_in_two_reentrant_checkpoints_is_named_by_ddp_s_own_error(readme_runs, bugs):
+    run = readme_run(readme_runs, TWICE)
+    assert "exit status 1" in run.stdout, run.describe()
+    shared = {f"head.0.{name}" for name, _ in bugs.make_model("twice").head[0].named_parameters()}  # checkpointed
+    for rank in failed_ranks(run.stdout, "Expected to mark a variable ready only once."):
+        named = re.search(rf"^\[rank {rank}\] Parameter at index (\d+) with name (\S+) has been marked as ready "
+                          "twice", run.stdout, re.M)
+        assert named and named.group(2) in shared, run.stdout
+        assert param_names(bugs.make_model("twice"))[int(named.group(1))] == named.group(2), named.group(0)
+
+
+@pytest.mark.readme_run(NAN)
+def test_a_nan_on_one_rank_reaches_every_parameter_of_every_rank(readme_runs, bugs):
+    run = readme_run(readme_runs, NAN)  # exit 0: nothing stops it
+    assert "mean loss nan" in run.stdout, run.stdout
+    total = len(param_names(bugs.stage.Net()))
+    for rank in (0, 1):  # rank 0's data was clean
+        assert f"[rank {rank}] {total} of {total} parameters hold NaN or inf" in run.stdout, run.stdout
+
+
+@pytest.mark.readme_run(NAN_CHECK)
+def test_the_finite_check_names_the_rank_and_the_step_where_the_loss_is_not_finite(readme_runs, bugs):
+    run = readme_run(readme_runs, NAN_CHECK)
+    assert "exit status 1" in run.stdout, run.describe()
+    found = re.search(r"finite check: step (\d+): the loss is nan on rank (\d+) \(losses (\S+), (\S+)\)", run.stdout)
+    assert found, run.stdout
+    assert (int(found.group(1)), found.group(2)) == (bugs.BUG_STEP, "1"), found.group(0)
+    assert float(found.group(3)) > 0 and found.group(4) == "nan", found.group(0)  # rank 0's loss is finite
+    assert "hold NaN" not in run.stdout, run.stdout  # stopped before backward spread it
+
+
+@pytest.mark.readme_run(CRASH)
+def test_an_exception_on_one_rank_ends_the_job_before_the_timeout_and_the_first_error_names_the_rank(readme_runs):
+    run = readme_run(readme_runs, CRASH)
+    assert "exit status 1" in run.stdout, run.describe()
+    # Before --timeout: no rank's watchdog fired, so no step waited half of it; the run's own limit bounds the rest.
+    assert "watchdog" not in run.stdout and run.seconds < CRASH_TIMEOUT, f"{run.seconds:.1f}s\n{run.stdout}"
+    errors = re.findall(r"^\[rank (\d)\] (\w+Error): ", run.stdout, re.M)
+    assert errors[:1] == [("1", "OutOfMemoryError")], run.stdout  # the first error line: the rank that started it
+    assert any(rank == "0" for rank, _ in errors), run.stdout  # rank 0 fails too, on rank 1's exit
+
+
+@pytest.mark.readme_run(SENDRECV_SYNC)
+def test_both_ranks_sending_first_runs_on_gloo_and_hangs_under_nccl_s_rule_the_stacks_naming_the_receives(
+        readme_runs):
+    run = readme_run(readme_runs, SENDRECV_SYNC)  # the block's run: the same on gloo, then under sync_sends
+    gloo, _, synchronous = run.stdout.partition("watchdog")
+    assert "replica check: 8 steps, every parameter equal on 2 ranks" in gloo, run.stdout  # gloo trains through it
+    assert "exit status 1" in synchronous, run.describe()
+    limit = time_limit(programs=6, waits=TIMEOUT)  # two runs of the launcher and its 2 ranks
+    assert TIMEOUT <= run.seconds <= limit, f"{run.seconds:.1f}s, not in [{TIMEOUT}, {limit:.1f}] ({limit.how})"
+    receive = line_of("dist.recv(theirs, 1 - rank)")
+    for rank in (0, 1):  # each waits in its receive, queued behind its own send, which the other never receives
+        assert waits_at(run.stdout, rank)[:1] == [receive], run.stdout
+    assert re.search(r"sync_sends: rank \d: message 0 to rank \d was never taken", run.stdout), run.stdout
