@@ -100,8 +100,12 @@ def predict(m: Model, lay: Layout, gpu: hardware.GPU, links: Links | None = None
     measured on a machine (else hardware.py's NCCL and overlap figures); compute_s: each pipeline stage's compute in
     a step, measured (else its FLOPs at the GPU's matmul rate)."""
     stages = [costs.rank_costs(m, lay, s) for s in range(lay.pp)]
-    memory = max(({"parameters": r.parameters, "gradients": r.gradients, "optimizer": r.optimizer,
-                   "activations": r.activation_peak, "total": r.state + r.activation_peak} for r in stages),
+    # DDP's buckets hold a second copy of the gradients, made at its construction (gradient_as_bucket_view off, the
+    # stages' default: recipes/ddp_options counts the two storages; simulate.py, which tracks the step, does not).
+    buckets = 2 if lay.parallel == "ddp" else 1
+    memory = max(({"parameters": r.parameters, "gradients": buckets * r.gradients, "optimizer": r.optimizer,
+                   "activations": r.activation_peak,
+                   "total": r.state + (buckets - 1) * r.gradients + r.activation_peak} for r in stages),
                  key=lambda d: d["total"])
     rate = gpu.matmul_flops  # the matmul rate it reaches (hardware.py: measured, a ceiling)
     overlap = links.overlap if links is not None else {k: f.value for k, f in hardware.OVERLAP.items()}
