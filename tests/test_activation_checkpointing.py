@@ -13,6 +13,8 @@ In this process, float64 (stage 11's model; stage 14's for the experts):
   kernel once a block; selective recomputes no matmul and no attention;
 - stage 14: the recomputed forward routes every token to the experts the forward did (the tokens per expert of each
   call equal), and the tally of the experts' load counts the forward's once.
+Forked, two ranks of tp 2 (harness.forked_ranks): backward's ops counted; selective recomputes no all-reduce (it
+keeps the row-wise layers' all-reduced sums), full recomputes attn.proj's.
 
 Launched, tiny (2 blocks, width 32, context 32, 3 steps), float64, against one process with --ac none, within
 sqrt(eps) (test_gpt.gaps: the states, every step's loss and gradient norm): 11 FSDP2 + tp 2 with selective, 12 cp 2
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from unittest import mock
 
@@ -34,7 +37,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
-from harness import ROOT, Run, Step, group_of_one, load_stage, run_chains, tolerance
+from harness import ROOT, Run, Step, forked_ranks, group_of_one, load_stage, run_chains, tolerance
 from test_gpt import gaps
 
 TOL = tolerance("float64")
@@ -200,6 +203,46 @@ def test_the_experts_route_the_recomputed_tokens_as_the_forward_did_and_tally_th
             (ac, [t.shape for t in run["tallies"]])
         unequal = [n for n in none["grads"] if not torch.equal(run["grads"][n], none["grads"][n])]
         assert not unequal, f"--ac {ac}: {unequal} differ"
+
+
+def tp_worker(rank: int, world: int, store: str, out: str) -> None:
+    """One rank of tp 2 (harness.forked_ranks: gloo over a FileStore, no port): a block of stage 11 split by its
+    TP_PLAN and checkpointed by each mode; the ops its backward ran, and its input's gradient."""
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    parallelize, model = module_of("11_gpt", "parallelize"), module_of("11_gpt", "model")
+    mesh = init_device_mesh("cpu", (world,))
+    found = {}
+    for ac in MODES:
+        torch.manual_seed(0)
+        block = model.Block(model.Config(65, 32, 1, 2, 32)).double()
+        parallelize_module(block, mesh, parallelize.TP_PLAN)
+        if ac != "none":
+            parallelize.checkpointed(block, ac)
+        x = torch.randn(2, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        y = block(x)
+        with OpCalls() as ops:
+            y.square().sum().backward()
+        found[ac] = {"calls": dict(ops.calls), "grad": x.grad.sum().item()}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(found))
+    dist.destroy_process_group()
+
+
+def test_under_tp_selective_recomputes_no_collective_and_full_one_all_reduce_a_block(tmp_path):
+    """tp 2: backward's all-reduces are the column-wise layers' (4 a block, q k v as one, and fc); full adds attn.proj's
+    forward all-reduce (mlp.proj's, the last, is not recomputed: early stop) and 5 of the 6 matmuls; selective keeps
+    the row-wise layers' all-reduced sums and recomputes no collective, no matmul, no attention. Same gradients."""
+    ops = ("_c10d_functional::all_reduce", "aten::addmm", "aten::_scaled_dot_product_flash_attention_for_cpu")
+    for found in forked_ranks("test_activation_checkpointing", "tp_worker", 2, tmp_path):
+        calls = {ac: [found[ac]["calls"].get(op, 0) for op in ops] for ac in MODES}
+        recomputed = {ac: [n - m for n, m in zip(calls[ac], calls["none"], strict=True)] for ac in MODES[1:]}
+        assert calls["none"][0] == 4, found["none"]["calls"]
+        assert recomputed == {"full": [1, 5, 1], "selective": [0, 0, 0]}, (ops, recomputed)
+        assert found["full"]["grad"] == found["selective"]["grad"] == found["none"]["grad"], found
 
 
 # ─── Launched: every layout it combines with, against one process ─────────────────────────────────────────────────
