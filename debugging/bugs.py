@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import itertools
+import json
 import math
 import os
 import pickle
@@ -46,14 +47,16 @@ from tools.cli import ArgumentParser, ensure_writable, positive  # noqa: E402
 from tour import load_stage  # noqa: E402
 
 stage = load_stage("04_ddp_torchrun")  # stage 04's train.py: its model, its data and its sampler
-BUGS = ["none", "only_rank0", "mismatch", "drift", "unused", "twice", "replaced", "nan", "crash", "sendrecv"]
+BUGS = ["none", "only_rank0", "mismatch", "drift", "unused", "twice", "replaced", "nan", "crash", "sendrecv",
+        "set_epoch"]
 BUG_STEP = 3  # the step where a bug strikes: the steps before it run clean
 
 
-def batches(loader: DataLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def batches(loader: DataLoader, bug: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Stage 04's batches, epoch after epoch, as its Trainer takes them."""
     for epoch in itertools.count():
-        loader.sampler.set_epoch(epoch)
+        if bug != "set_epoch":  # BUG (set_epoch): without it every epoch repeats epoch 0's order
+            loader.sampler.set_epoch(epoch)
         yield from loader
 
 
@@ -90,7 +93,9 @@ def train(rank: int, args: argparse.Namespace, watchdog: Watchdog) -> None:
         model.module.head[2] = nn.Linear(stage.HIDDEN, stage.N_CLASSES)  # BUG: a layer replaced after DDP(...)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     total = torch.zeros((), dtype=torch.float64)  # the loss summed over steps and ranks
-    for step, (x, y) in enumerate(itertools.islice(batches(loader), args.steps)):
+    reference = json.loads(args.against.read_text()) if args.against is not None else []
+    losses = []  # the mean loss over ranks at every step (--losses)
+    for step, (x, y) in enumerate(itertools.islice(batches(loader, args.bug), args.steps)):
         watchdog.arm(step)
         optimizer.zero_grad(set_to_none=True)
         if args.bug == "nan" and step == BUG_STEP and rank == 1:
@@ -117,6 +122,10 @@ def train(rank: int, args: argparse.Namespace, watchdog: Watchdog) -> None:
             if args.replica_check:
                 replica_check(model.module, step)
         total += summed
+        losses.append(summed.item() / world)
+        if step < len(reference) and losses[step] != reference[step]:  # every rank has the same sum: all stop
+            raise CheckFailed(f"loss comparison: step {step}: mean loss {losses[step]:.6g}, the reference run's "
+                              f"{reference[step]:.6g}")
     watchdog.arm(args.steps)
     if args.bug == "only_rank0" and rank == 0:
         dist.all_reduce(total)  # BUG: a collective only rank 0 calls (it is summed already)
@@ -124,6 +133,8 @@ def train(rank: int, args: argparse.Namespace, watchdog: Watchdog) -> None:
         print(f"trained {args.steps} steps | mean loss {total.item() / (args.steps * world):.4f}", flush=True)
     dist.barrier()  # sync point: every rank done before the group is destroyed
     watchdog.stop()
+    if args.losses is not None and rank == 0:
+        args.losses.write_text(json.dumps(losses) + "\n")
     if broken := [name for name, p in model.module.named_parameters() if not p.isfinite().all()]:
         print(f"[rank {rank}] {len(broken)} of {len(list(model.parameters()))} parameters hold NaN or inf: "
               f"{', '.join(broken)}", flush=True)
@@ -152,7 +163,7 @@ def time_find_unused(rank: int, args: argparse.Namespace) -> None:
     (a step waits for the slower rank in its all-reduce). The same model, data and weights: only the flag differs."""
     train_set, _ = stage.make_data(args.seed)
     loader = stage.prepare_dataloader(train_set, args.batch_size, rank, dist.get_world_size(), args.seed)
-    data = list(itertools.islice(batches(loader), args.steps))
+    data = list(itertools.islice(batches(loader, "none"), args.steps))
     ms: dict[bool, list[float]] = {False: [], True: []}
     models = {}
     for find in ms:
@@ -305,6 +316,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="instead of training: time --steps steps with find_unused_parameters off and on, in turns")
     p.add_argument("--sync-sends", action="store_true",
                    help="run messages as NCCL does (tests/sync_sends.py): a send waits for its receiver")
+    p.add_argument("--losses", type=Path, help="write the mean loss of every step here (JSON), for --against")
+    p.add_argument("--against", type=Path, help="compare every step's mean loss with a run's --losses file; stop at "
+                   "the first that differs")
     p.add_argument("--finite-check", action="store_true",
                    help="all-gather every rank's loss before backward; stop at the first one not finite")
     args = p.parse_args(argv)
@@ -314,6 +328,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("argument --world-size: --bug sendrecv exchanges between 2 ranks: give 2")
     if args.steps <= BUG_STEP:
         p.error(f"argument --steps: the bugs strike at step {BUG_STEP}: give more than {BUG_STEP} steps")
+    if args.losses is not None:
+        try:
+            ensure_writable(args.losses.parent)
+        except OSError as e:
+            p.error(f"argument --losses: cannot write to {args.losses.parent} ({e.strerror})")
+    if args.against is not None:
+        try:
+            json.loads(args.against.read_text())
+        except (OSError, ValueError) as e:
+            p.error(f"argument --against: cannot read a --losses file from {args.against} ({e})")
     if args.trace is not None:
         try:
             ensure_writable(args.trace)

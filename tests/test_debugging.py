@@ -16,7 +16,9 @@ their output and the flight recorder's files, launching nothing. Each claim is c
 - nan: without a check the NaN reaches every parameter of every rank; the finite check names rank 1 and the step;
 - crash: one rank's exception ends the job well before --timeout, and the first error line names that rank;
 - sendrecv: an isend then a recv on both ranks trains on gloo; under NCCL's rules (--sync-sends, tests/sync_sends.py)
-  it hangs until --timeout, each rank's stack dump names the line of its receive, and a send is never taken.
+  it hangs until --timeout, each rank's stack dump names the line of its receive, and a send is never taken;
+- set_epoch: the replicas stay equal, and the loss comparison with a run that calls it names the first step of
+  the second epoch (stage 04's data over 2 ranks of --batch-size).
 Nothing is left running (readme_run's check).
 """
 from __future__ import annotations
@@ -48,6 +50,8 @@ CRASH_TIMEOUT = 120  # the --timeout of the crash's command: far above its time 
 CRASH = f'python debugging/bugs.py --bug crash --timeout {CRASH_TIMEOUT} 2>&1 || echo "exit status $?"'
 SENDRECV_SYNC = (f'python debugging/bugs.py --bug sendrecv --sync-sends --timeout {TIMEOUT} 2>&1 '
                  '|| echo "exit status $?"')
+SET_EPOCH = ('python debugging/bugs.py --bug set_epoch --steps 72 --against runs/losses.json 2>&1 '
+             '|| echo "exit status $?"')
 UNFINISHED = "Expected to have finished reduction in the prior iteration before starting a new one"
 
 
@@ -240,3 +244,13 @@ def test_both_ranks_sending_first_runs_on_gloo_and_hangs_under_nccl_s_rule_the_s
     for rank in (0, 1):  # each waits in its receive, queued behind its own send, which the other never receives
         assert waits_at(run.stdout, rank)[:1] == [receive], run.stdout
     assert re.search(r"sync_sends: rank \d: message 0 to rank \d was never taken", run.stdout), run.stdout
+
+
+@pytest.mark.readme_run(SET_EPOCH)
+def test_a_forgotten_set_epoch_is_named_by_the_loss_comparison_at_the_second_epoch_s_first_step(readme_runs, bugs):
+    run = readme_run(readme_runs, SET_EPOCH)  # the block's run: the reference, then the bug against it
+    assert "exit status 1" in run.stdout and "differs between ranks" not in run.stdout, run.describe()
+    found = re.search(r"loss comparison: step (\d+): mean loss (\S+), the reference run's (\S+)", run.stdout)
+    assert found, run.stdout
+    per_epoch = bugs.stage.N_TRAIN // (2 * bugs.parse_args([]).batch_size)  # steps in an epoch on 2 ranks
+    assert int(found.group(1)) == per_epoch, found.group(0)

@@ -650,7 +650,8 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
                        ("--world-size", "1"): "--world-size", ("--timeout", "0"): "--timeout",
                        ("--trace", "{file}/sub"): "--trace", ("--time-find-unused", "0"): "--time-find-unused",
                        ("--find-unused=1",): "--find-unused", ("--finite-check=1",): "--finite-check",
-                       ("--no-replica-check=1",): "--no-replica-check", ("--sync-sends=1",): "--sync-sends"},
+                       ("--no-replica-check=1",): "--no-replica-check", ("--sync-sends=1",): "--sync-sends",
+                       ("--losses", "{file}/sub"): "--losses", ("--against", "{tmp}"): "--against"},
     # Its --nanogpt is checked last: the other cases need no nanoGPT checkout (CI has none).
     "benchmarks/vs_nanogpt": {("--nanogpt", "{tmp}"): "--nanogpt", ("--quick=1",): "--quick",
                               ("--out", "{file}/sub"): "--out", ("--timeout", "0"): "--timeout"},

@@ -156,6 +156,7 @@ SHOWN = [
     Shown("debugging/README.md", "finite check: step", "python debugging/bugs.py --bug nan --finite-check", rel=F32),
     Shown("debugging/README.md", "[rank 1] OutOfMemoryError", "python debugging/bugs.py --bug crash"),
     Shown("debugging/README.md", "replica check: 8 steps", "python debugging/bugs.py --bug sendrecv"),
+    Shown("debugging/README.md", "trained 72 steps", "python debugging/bugs.py --bug set_epoch", rel=F32),
     Shown("recipes/comm_hooks/README.md", "--hook allreduce",
           "torchrun --standalone --nproc_per_node=2 recipes/comm_hooks/train.py --epochs 1", rel=F32),
     Shown("recipes/comm_hooks/README.md", "fp16 | epoch replay",
