@@ -45,7 +45,7 @@ LAYOUTS = [
     (SHAPE_MOE, dict(dp=64, ep=8, parallel="fsdp"), 0),
     (SHAPE_MOE, dict(dp=16, tp=4, ep=4, pp=2, parallel="fsdp", accumulate=4), 127),
     (SHAPE_MOE, dict(dp=32, ep=4, cp=2, parallel="ddp"), 9),
-    (SHAPE_2B, dict(dp=32, cp=2), 3),  # DDP with cp: the head's backward is the busiest moment  # DDP with cp: the head's backward is the busiest moment
+    (SHAPE_2B, dict(dp=32, cp=2), 3),  # DDP with cp: the head's backward is the busiest moment
 ]
 
 
@@ -104,8 +104,8 @@ def simulated(simulate):
 
 
 def test_the_formulas_are_the_simulation(plan, simulated):
-    """11 layouts at 1.35 to 1.87 billion parameters on 64 to 16,384 ranks, every dimension: the state, the bytes sent and
-    the activation peak the formulas give for the rank are what the stages' own code does at that size."""
+    """11 layouts at 1.35 to 1.87 billion parameters on 64 to 16,384 ranks, every dimension: the state, the bytes sent
+    and the activation peak the formulas give for the rank are what the stages' own code does at that size."""
     assert len(LAYOUTS) >= 11
     assert {d for _, layout, _ in LAYOUTS for d in layout if layout[d] != 1} >= {"dp", "tp", "pp", "cp", "ep"}
     sizes = [plan.costs.Layout(**layout).world for _, layout, _ in LAYOUTS]
