@@ -12,7 +12,7 @@ their output and the flight recorder's files, launching nothing. Each claim is c
 - unused, replaced, twice: DDP's own error on every rank, and the parameters it names (by index, and by name under
   TORCH_DISTRIBUTED_DEBUG=INFO) are the ones bugs.py leaves without a gradient or uses twice, found in its own model;
   unused with the replica check on: the replicas part at step 0, a step before DDP's error; with
-  --find-unused it trains and every check passes;
+  --find-unused it trains and every check passes; replaced with --find-unused: the new layer parts at step 0;
 - nan: without a check the NaN reaches every parameter of every rank; the finite check names rank 1 and the step;
 - crash: one rank's exception ends the job well before --timeout, and the first error line names that rank;
 - sendrecv: an isend then a recv on both ranks trains on gloo; under NCCL's rules (--sync-sends, tests/sync_sends.py)
@@ -186,6 +186,9 @@ def test_a_layer_replaced_after_ddp_is_named_by_ddp_s_own_error(readme_runs):
     for rank in failed_ranks(run.stdout, UNFINISHED):
         names, _ = ddp_named(run.stdout, rank, "replaced")
         assert names == {f"{layer}.weight", f"{layer}.bias"}, names  # the old layer's, which DDP still waits for
+    # The block's second command, with --find-unused: no error, but the new layer's gradients are never averaged.
+    drift = re.search(r"replica check: step (\d+): parameter (\S+) differs between ranks", run.stdout)
+    assert drift and drift.group(1) == "0" and drift.group(2).startswith(f"{layer}."), run.stdout
 
 
 @pytest.mark.readme_run(TWICE)

@@ -150,7 +150,7 @@ SHOWN = [
     Shown("debugging/README.md", "replica check: step 0", "python debugging/bugs.py --bug unused 2>&1", rel=F32),
     Shown("debugging/README.md", "[rank0]:[W", "python debugging/bugs.py --time-find-unused"),
     Shown("debugging/README.md", "[rank ...] Parameters which did not receive grad for rank ...: head",
-          "TORCH_DISTRIBUTED_DEBUG=INFO python debugging/bugs.py --bug replaced"),
+          "TORCH_DISTRIBUTED_DEBUG=INFO python debugging/bugs.py --bug replaced", rel=F32),
     Shown("debugging/README.md", "[rank ...] RuntimeError: Expected to mark", "python debugging/bugs.py --bug twice"),
     Shown("debugging/README.md", "trained 8 steps | mean loss nan", "python debugging/bugs.py --bug nan 2>&1"),
     Shown("debugging/README.md", "finite check: step", "python debugging/bugs.py --bug nan --finite-check", rel=F32),
