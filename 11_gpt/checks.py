@@ -159,6 +159,11 @@ def check_gpt_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Name
     if args.tp > 1 and args.parallel != "fsdp":
         p.error("argument --tp: tensor parallelism is combined with FSDP2 over dp here (stage 09); add "
                 "--parallel fsdp")
+    if args.sp and args.tp == 1:
+        p.error("argument --sp: sequence parallelism splits the sequence over the tp ranks; add --tp 2 or more")
+    if args.sp and args.context % args.tp:
+        p.error(f"argument --sp: --tp {args.tp} does not divide --context {args.context} (each tp rank holds an "
+                f"equal part of every window)")
     if world_size % args.tp:
         p.error(f"argument --tp: {args.tp} does not divide the world size {world_size} (the grid is dp x "
                 f"tp processes); use a divisor of {world_size}")

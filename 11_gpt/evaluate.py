@@ -8,13 +8,24 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from grid import Grid
 
 
+def logits_of(model: nn.Module, idx: torch.Tensor, multiple: int = 1) -> torch.Tensor:
+    """The model's logits [b, t, vocab], whole on every rank. --sp splits every window by sequence over tp, so its
+    length must be a multiple of tp (`multiple`): a shorter one is padded at its end, which changes no logit before
+    the padding (the attention is causal), and the padding's are dropped. --sp's logits are split by vocabulary (a
+    DTensor): gathered here, where every rank needs them whole (a sample, a loss on few windows)."""
+    t = idx.shape[1]
+    logits = model(F.pad(idx, (0, -t % multiple)))
+    return (logits.full_tensor() if isinstance(logits, DTensor) else logits)[:, :t]
+
+
 @torch.no_grad()
 def held_out_loss(model: nn.Module, tokens: torch.Tensor, context: int, grid: Grid,
-                  device: torch.device) -> tuple[float, int]:
+                  device: torch.device, multiple: int = 1) -> tuple[float, int]:
     """Sum of the losses on every held-out character but the first, in windows of `context`, with the model as it
     trains (sharded, split: no rank holds it whole). The dp rows share the windows (row r scores r, r+dp, ...: each
     once; a row's tp ranks score the same ones together); every rank runs as many batches (FSDP's forward is a
@@ -26,12 +37,12 @@ def held_out_loss(model: nn.Module, tokens: torch.Tensor, context: int, grid: Gr
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for chunk in whole[dp_rank::dp].tensor_split(-(-len(whole) // (dp * 32))):  # batches of up to 32 windows
         windows = tokens[chunk[:, None] + torch.arange(context + 1)].to(device)
-        logits = model(windows[:, :-1]).double()
+        logits = logits_of(model, windows[:, :-1], multiple).double()
         totals += torch.tensor([F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten(), reduction="sum")
                                 .item(), windows[:, 1:].numel()], dtype=torch.float64, device=device)
     for start in tail.tolist():  # the text's last window is shorter: every rank computes it, dp row 0 counts it
         window = tokens[start:][None].to(device)
-        logits = model(window[:, :-1]).double()
+        logits = logits_of(model, window[:, :-1], multiple).double()
         if dp_rank == 0:
             totals += torch.tensor([F.cross_entropy(logits[0], window[0, 1:], reduction="sum").item(),
                                     window.shape[1] - 1], dtype=torch.float64, device=device)
@@ -44,7 +55,7 @@ def held_out_loss(model: nn.Module, tokens: torch.Tensor, context: int, grid: Gr
 
 @torch.no_grad()
 def sample(model: nn.Module, chars: str, length: int, context: int, seed: int, device: torch.device,
-           temperature: float = 0.8) -> str:
+           multiple: int = 1, temperature: float = 0.8) -> str:
     """`length` characters, each drawn from the model's prediction given those before it (its last `context`).
     Every rank runs it with the model as it trains (its forward is a collective): the same seed, the same logits
     (every rank computes them whole), so the same characters."""
@@ -52,7 +63,7 @@ def sample(model: nn.Module, chars: str, length: int, context: int, seed: int, d
     g = torch.Generator().manual_seed(seed)
     idx = torch.tensor([[chars.find("\n") if "\n" in chars else 0]], device=device)  # start as a line starts
     for _ in range(length):
-        logits = model(idx[:, -context:])[0, -1].double().cpu()
+        logits = logits_of(model, idx[:, -context:], multiple)[0, -1].double().cpu()
         next_char = torch.multinomial((logits / temperature).softmax(-1), 1, generator=g)
         idx = torch.cat([idx, next_char.to(device)[None]], dim=1)
     if hasattr(model, "reshard"):

@@ -132,7 +132,7 @@ def write_run(args: argparse.Namespace, trainer: Trainer, model: GPT, floor: dic
         "stage": STAGE, "world_size": dist.get_world_size(), "backend": dist.get_backend(),
         "device": trainer.device.type, "dtype": args.dtype, "parallel": args.parallel, "dp": trainer.dp,
         "tp": args.tp,
-        "accumulate": args.accumulate, "amp": args.amp, "compile": args.compile, "ac": args.ac,
+        "accumulate": args.accumulate, "amp": args.amp, "compile": args.compile, "ac": args.ac, "sp": args.sp,
         "batch_size": args.batch_size, "global_batch": trainer.global_batch, "max_steps": args.max_steps,
         **schedule(args), "clip": args.clip, "seed": args.seed, "model": model.cfg._asdict(),
         "parameters": sum(p.numel() for p in model.parameters()),

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 # The files beside this one (`python train.py` puts its folder first on sys.path). checks.py refuses bad flags and
@@ -46,7 +47,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checks
 import reports
 from dataset import DATA, Corpus, baselines, batch_of_windows, load_corpus, to_device
-from evaluate import clock, held_out_loss, sample
+from evaluate import clock, held_out_loss, logits_of, sample
 from grid import Grid
 from model import DTYPES, GPT, Config
 from parallelize import clip_gradients, full_model, parallelize
@@ -156,14 +157,17 @@ class Trainer:
         micro = list(zip(x.split(self.args.batch_size), y.split(self.args.batch_size), strict=True))
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for i, (xb, yb) in enumerate(micro):
-            with self.syncing(last=i == len(micro) - 1):
+            # --sp: the logits are split by vocabulary over tp (a DTensor); loss_parallel's cross_entropy takes each
+            # token's max and sum of exponentials over the vocabulary by all-reducing [tokens] numbers, not [tokens,
+            # vocab] (the mean, as here; its backward must run inside the context too).
+            with self.syncing(last=i == len(micro) - 1), loss_parallel() if self.args.sp else nullcontext():
                 # --amp bf16: the forward's matmuls in bfloat16, the weights and the loss in float32 (recipes/).
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.amp == "bf16"):
                     logits = self.model(xb)
                     loss = F.cross_entropy(logits.flatten(0, 1), yb.flatten())
                 # Sync point (the last micro-batch): DDP all-reduces the gradients; FSDP2 reduce-scatters each unit's.
                 (loss / len(micro)).backward()
-            total += loss.detach()
+            total += (loss.to_local() if isinstance(loss, DTensor) else loss).detach()  # (--sp: Replicate, whole)
         norm = clip_gradients(self.model, self.args.clip)  # a collective under FSDP2 and tp
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(self.steps, self.args)
@@ -176,7 +180,7 @@ class Trainer:
         """The loss on the fixed held-out windows (16 x --context characters): a point of the curve."""
         self.model.eval()
         x, y = (t.to(self.device) for t in self.curve_windows)
-        loss = F.cross_entropy(self.model(x).flatten(0, 1).double(), y.flatten()).item()  # every rank: same input
+        loss = F.cross_entropy(logits_of(self.model, x).flatten(0, 1).double(), y.flatten()).item()  # every rank: same
         if not isinstance(self.model, DDP):  # FSDP2 keeps the root unit gathered after a forward, for the backward
             self.model.reshard()  # that follows in training; none follows here
         self.model.train()
@@ -268,6 +272,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="over the dp ranks: a replica each (DDP) or a shard each (FSDP2, every block a unit)")
     p.add_argument("--tp", type=checks.positive(int), default=1,
                    help="tensor-parallel degree: processes that split every block (with --parallel fsdp)")
+    p.add_argument("--sp", action="store_true",
+                   help="sequence parallelism (with --tp): norms, residual stream and loss split by sequence over tp")
     p.add_argument("--accumulate", type=checks.positive(int), default=1, help="micro-batches of --batch-size per step")
     p.add_argument("--amp", choices=["bf16"], help="autocast the forward to bfloat16 (the weights stay float32)")
     p.add_argument("--compile", action="store_true", help="torch.compile every block")
@@ -324,7 +330,8 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         fallback = " (no GPU visible: using the CPU)" if args.device == "auto" and device.type == "cpu" else ""
         options = ", ".join(o for o in [f"--accumulate {args.accumulate}" if args.accumulate > 1 else "",
                                         f"--amp {args.amp}" if args.amp else "", "--compile" if args.compile else "",
-                                        f"--ac {args.ac}" if args.ac != "none" else ""] if o)
+                                        f"--ac {args.ac}" if args.ac != "none" else "",
+                                        "--sp" if args.sp else ""] if o)
         print(f"[{STAGE}] world size {world_size} = dp {dp} x tp {args.tp} | {args.parallel} | backend "
               f"{dist.get_backend()} | device {device.type}{fallback} | {args.dtype}" + (f" | {options}" if options
                                                                                         else ""))
@@ -349,12 +356,13 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
     trainer.train(args.max_steps)
     seconds = clock(device) - start
 
-    loss_sum, count = held_out_loss(model, corpus.held_out, cfg.context, grid, device)
+    multiple = args.tp if args.sp else 1  # --sp: every length a multiple of tp (evaluate.logits_of)
+    loss_sum, count = held_out_loss(model, corpus.held_out, cfg.context, grid, device, multiple)
     # DDP's replicas must agree; FSDP has none to compare (each rank holds other shards): no gather of the model.
     max_diff = replica_max_abs_diff(model, grid.group("dp")) if args.parallel == "ddp" else None
     memory = reports.peak_memory(model, optimizer, device)  # every rank's, gathered (reports.py)
     peak = reports.machine_peak(device, args)  # the FLOP/s the MFU is of: measured on a CPU (reports.py)
-    text = sample(model, corpus.chars, args.sample, cfg.context, args.seed, device) if args.sample else ""
+    text = sample(model, corpus.chars, args.sample, cfg.context, args.seed, device, multiple) if args.sample else ""
     if master_process:
         loss = loss_sum / count
         print(f"held-out loss {loss:.4f} nats/char over {count:,} characters | bigram {floor['bigram']:.3f}, "

@@ -320,7 +320,7 @@ def trainer_step(gpt, tokens: torch.Tensor, dp_rank: int, dp: int, batch: int, a
 
     trainer = SimpleNamespace(
         model=model, optimizer=KeepGradient(), corpus=SimpleNamespace(train=tokens), cfg=SimpleNamespace(context=16),
-        args=SimpleNamespace(seed=3, batch_size=batch, accumulate=accumulate, amp=None, clip=0, lr=0.1,
+        args=SimpleNamespace(seed=3, batch_size=batch, accumulate=accumulate, amp=None, clip=0, lr=0.1, sp=False,
                              warmup_steps=1, decay_steps=10),
         steps=step, dp_rank=dp_rank, dp=dp, global_batch=dp * accumulate * batch, device=torch.device("cpu"),
         syncing=lambda last: contextlib.nullcontext())
@@ -386,7 +386,7 @@ def test_bf16_autocast_computes_the_matmuls_in_bfloat16(runs):
         model = gpt.GPT(gpt.Config(len(corpus.chars), 32, 2, 2, 32))
         trainer = SimpleNamespace(
             model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), corpus=corpus,
-            cfg=model.cfg, args=SimpleNamespace(seed=0, batch_size=4, accumulate=1, amp=amp, clip=0, lr=0.0,
+            cfg=model.cfg, args=SimpleNamespace(seed=0, batch_size=4, accumulate=1, amp=amp, clip=0, lr=0.0, sp=False,
                                                 warmup_steps=1, decay_steps=1),
             steps=0, dp_rank=0, dp=1, global_batch=4, device=torch.device("cpu"),
             syncing=lambda last: contextlib.nullcontext())
