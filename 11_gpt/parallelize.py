@@ -41,14 +41,14 @@ TP_PLAN = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": C
 # every tp rank. A block's edges change: q, k, v and fc need every token, so the attention's and the MLP's input is
 # all-gathered first (Shard(1) -> Replicate); the row-wise layers' partial sums are reduce-scattered back to
 # Shard(1) instead of all-reduced. An all-reduce is a reduce-scatter then an all-gather: the same bytes, moved to
-# where the norms can work on t / tp tokens. The norms' weights become Replicate DTensors on the tp mesh
-# (SequenceParallel): see split_over_tp for their gradients.
-SP_PLAN = {"norm1": SequenceParallel(),
-           "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-           "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-           "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
-           "norm2": SequenceParallel(),
+# where the norms can work on t / tp tokens (backward moves fewer: q, k and v's input gradients, DTensors now, are
+# summed before one reduce-scatter, where TP_PLAN all-reduces each). The norms' weights become Replicate DTensors
+# on the tp mesh (SequenceParallel): see split_over_tp for their gradients.
+SP_PLAN = {"norm1": SequenceParallel(), "norm2": SequenceParallel(),  # on Shard(1); their weights Replicate DTensors
+           "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),  # all-gather
            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+           "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+           "attn.proj": RowwiseParallel(output_layouts=Shard(1)),  # reduce-scatter
            "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(output_layouts=Shard(1))}
 # Around the blocks, under --sp. The embeddings stay whole on every rank (small here) and each rank keeps its tokens'
 # rows of their outputs (Replicate -> Shard: a slice, no traffic forward; backward all-gathers their gradient, so
@@ -64,10 +64,10 @@ SP_AROUND = {"tokens": PrepareModuleOutput(output_layouts=Replicate(), desired_o
 
 # --ac selective keeps the outputs of the ops costly to recompute, named as autograd sees them: the matmuls (nn.Linear
 # is addmm; mm and bmm as they appear), attention (aten::_scaled_dot_product_..., one kernel per device), and under
-# --tp the all-reduce of a row-wise layer's sums (else a collective again in backward). The rest (norms, gelu, adds,
-# reshapes) is recomputed from them.
+# --tp the all-reduce of a row-wise layer's sums (else a collective again in backward), under --sp its
+# reduce-scatter. The rest (norms, gelu, adds, reshapes) is recomputed from them.
 KEEP = {"aten::mm", "aten::addmm", "aten::bmm", "_c10d_functional::all_reduce",
-        "_c10d_functional::reduce_scatter_tensor"}  # (--sp's: the row-wise layers' sums, t / tp tokens)
+        "_c10d_functional::reduce_scatter_tensor"}
 
 
 def keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -4,11 +4,11 @@ Every stage so far trained a 4,996-parameter MLP on synthetic data. This one tra
 (model.py) on 1.1 MB of Shakespeare, one character per token (dataset.py), with what the stages taught
 (parallelize.py), each a flag: DDP or FSDP2 (--parallel), tensor parallelism (--tp), gradient accumulation
 (--accumulate), bf16 autocast (--amp), torch.compile (--compile), sharded checkpoints that resume exactly on any
-number of ranks (--snapshot); and one more, activations recomputed in backward instead of kept (--ac). It is
-trained as real trainers train: AdamW with weight decay on the matrices only, the learning rate warmed up then
-decayed along a cosine, the gradient clipped (its norm taken over the whole model, however it is split). It reports
-how fast (tokens/s, and the MFU), how much memory, and how well (evaluate.py): the held-out loss beside three
-baselines computed from the text, and a sample.
+number of ranks (--snapshot); and two more, activations recomputed in backward instead of kept (--ac), and the
+norms, residual stream and loss split by sequence over tp too (--sp). It is trained as real trainers train: AdamW
+with weight decay on the matrices only, the learning rate warmed up then decayed along a cosine, the gradient clipped
+(its norm taken over the whole model, however it is split). It reports how fast (tokens/s, and the MFU), how much
+memory, and how well (evaluate.py): the held-out loss beside three baselines computed from the text, and a sample.
 
     python 11_gpt/train.py --max-steps 100                       # one process, 100 steps
     torchrun --standalone --nproc_per_node=2 11_gpt/train.py     # the default run: about 2 minutes on 2 CPU cores
