@@ -11,7 +11,8 @@ and without --sp, against this rank's one-process step (same gradients); every c
 - a block's all-reduces (2 forward, 4 backward: q, k, v's input gradient, fc's) become as many all-gathers +
   reduce-scatters of the same [b, t, w] (each moves half an all-reduce's bytes);
 - the logits are never gathered: no collective of [b t, vocab]; the loss all-reduces [b t] numbers;
-- the activations one block keeps for backward, counted (saved_tensors_hooks) against KEPT's formulas.
+- the activations one block keeps for backward, counted (saved_tensors_hooks) against kept_formula.
+In this process: --sp without --tp, or with a context tp does not divide, refused in one line (test_gpt.refusal).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness import ROOT, Run, Step, forked_ranks, load_stage, run_chains, tolerance
-from test_gpt import gaps
+from test_gpt import gaps, refusal, refused_in_one_line
 
 TOL = tolerance("float64")
 DATA = ROOT / "11_gpt" / "data" / "input.txt"
@@ -187,6 +188,13 @@ def test_sp_keeps_the_norms_activations_split_by_tp(forked):
     for found in forked:
         kept = {layout: found[layout]["kept"] for layout in ("tp", "sp")}
         assert kept == expected, f"kept per block per rank, in elements: {kept}, the formulas {expected}"
+
+
+def test_sp_without_tp_or_with_a_context_tp_does_not_divide_is_refused_in_one_line():
+    tp2 = ["--parallel", "fsdp", "--tp", "2", "--heads", "2", "--sp"]
+    refused_in_one_line([(["--sp"], {}, "argument --sp: sequence parallelism splits the sequence over the tp ranks"),
+                         ([*tp2, "--context", "33"], {"WORLD_SIZE": "2"}, "--tp 2 does not divide --context 33")])
+    assert refusal([*tp2, "--context", "32"], {"WORLD_SIZE": "2"})[0] == "accepted"  # the control
 
 
 # ─── Launched: the stage's real launcher, against one process ──────────────────────────────────────────────────────
