@@ -225,4 +225,4 @@ assert flops["full"] > flops["selective"] >= flops["none"]
 #   step depends on `--seed` and the step alone, so no random state needs saving).
 # - On a GPU: `--amp bf16 --compile`, and the model FLOPs utilisation (MFU) against the GPU's data
 #   sheet (on a CPU the run measures its own matmul peak: the default run printed 49.7%). Not run by
-#   this tutorial (no GPU); the README lists settings for one GPU and for several.
+#   this tutorial (no GPU); `11_gpt/GPU.md` lists settings for one GPU and for several.
