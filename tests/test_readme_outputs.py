@@ -227,8 +227,6 @@ SKIPPED = {  # (README, how the block's first line starts): why it is not compar
     ("09_tensor_parallel/README.md", "x [B, 8]"): "a diagram of the split layers",
     ("11_gpt/README.md", "[11_gpt] world size 2 = dp 2 x tp 1"):
         "the default 800-step run (2 minutes, given in the prose); the README's block runs 20 and 10 steps",
-    ("11_gpt/README.md", "[11_gpt] world size 1 = dp 1 x tp 1 | ddp | backend nccl"):
-        "the one-GPU command's output on an H200 (dated in the prose): its block needs a GPU, the suite runs none",
     ("11_gpt/README.md", "11_gpt/train.py: error: argument --tp"):
         "the refusals, not a block's output: tests/test_gpt.py compares them line by line with main()'s in-process",
     ("12_context_parallel/README.md", "positions         0 1"): "a diagram of the two splits",
