@@ -1,6 +1,6 @@
 """How well the GPT does, measured with the model as it trains (sharded, split: no rank holds it whole): the loss on
 the whole held-out text, and a sample of generated text. Under --cp each rank scores its share of every window's
-positions (a window cp cannot split evenly is padded)."""
+positions (a window cp cannot split evenly is padded; --sp: its share must split over tp too)."""
 from __future__ import annotations
 
 import time
@@ -9,9 +9,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from context_parallel import ContextParallel
 from grid import Grid
+
+
+def logits_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The model's logits for x, whole over the vocabulary: --sp leaves them split over tp (a DTensor), gathered here,
+    where every rank needs them whole (a sample, a loss on few windows)."""
+    logits = model(x)
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
 
 @torch.no_grad()
@@ -30,14 +38,14 @@ def held_out_loss(model: nn.Module, tokens: torch.Tensor, context: int, grid: Gr
     for chunk in whole[dp_rank::dp].tensor_split(-(-len(whole) // (dp * 32))):  # batches of up to 32 windows
         windows = tokens[chunk[:, None] + torch.arange(context + 1)]
         x, y = cp.share(windows[:, :-1]).to(device), cp.share(windows[:, 1:]).to(device)
-        logits = model(x).double()
+        logits = logits_of(model, x).double()
         totals += torch.tensor([F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item(),
                                 y.numel()], dtype=torch.float64, device=device)
     for start in tail.tolist():  # the text's last window is shorter: every rank computes it, dp row 0 counts it
         window = tokens[start:][None]
         x, y = cp.pad(window[:, :-1], 0), cp.pad(window[:, 1:], -100)  # -100: ignored by the loss
         x, y = cp.share(x).to(device), cp.share(y).to(device)
-        logits = model(x)
+        logits = logits_of(model, x)
         if dp_rank == 0:
             totals += torch.tensor([F.cross_entropy(logits[0].double(), y[0], reduction="sum").item(),
                                     (y != -100).sum().item()], dtype=torch.float64, device=device)
@@ -60,7 +68,7 @@ def sample(model: nn.Module, chars: str, length: int, context: int, seed: int, c
     for _ in range(length):
         n = idx[:, -context:].shape[1]
         x = cp.pad(idx[:, -context:], 0)  # to a length cp can split
-        logits = cp.gather(model(cp.share(x).to(device)), x.shape[1])[0, n - 1].double().cpu()
+        logits = cp.gather(logits_of(model, cp.share(x).to(device)), x.shape[1])[0, n - 1].double().cpu()
         next_char = torch.multinomial((logits / temperature).softmax(-1), 1, generator=g)
         idx = torch.cat([idx, next_char[None]], dim=1)
     if hasattr(model, "reshard"):

@@ -8,7 +8,8 @@ the block it holds (ring attention, context_parallel.py); the partial results me
 the backward goes round the ring again. The zigzag split gives every rank the same share of a causal mask's work.
 The rest is stage 11's: its GPT (model.py), its text (dataset.py), what the stages taught (parallelize.py): DDP or
 FSDP2 over dp x cp (every cp rank holds a replica or a shard, and a gradient of its own tokens), tensor parallelism
-(--tp), accumulation, checkpoints that resume on any layout; its held-out loss and sample (evaluate.py).
+(--tp; --sp: each cp share split again by sequence over tp), accumulation, checkpoints that resume on any layout; its
+held-out loss and sample (evaluate.py).
 
     torchrun --standalone --nproc_per_node=2 12_context_parallel/train.py --cp 2 --max-steps 100
     torchrun --standalone --nproc_per_node=4 12_context_parallel/train.py --cp 2 --parallel fsdp --max-steps 20
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 # The files beside this one (`python train.py` puts its folder first on sys.path). checks.py refuses bad flags and
@@ -48,7 +50,7 @@ import checks
 import reports
 from context_parallel import ContextParallel
 from dataset import DATA, Corpus, baselines, batch_of_windows, load_corpus, to_device
-from evaluate import clock, held_out_loss, sample
+from evaluate import clock, held_out_loss, logits_of, sample
 from grid import Grid
 from model import DTYPES, GPT, Config
 from parallelize import clip_gradients, full_model, parallelize
@@ -162,7 +164,10 @@ class Trainer:
         micro = list(zip(x.split(self.args.batch_size), y.split(self.args.batch_size), strict=True))
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for i, (xb, yb) in enumerate(micro):
-            with self.syncing(last=i == len(micro) - 1):
+            # --sp: the logits are split by vocabulary over tp (a DTensor); loss_parallel's cross_entropy takes each
+            # token's max and sum of exponentials over the vocabulary by all-reducing [tokens] numbers, not [tokens,
+            # vocab] (the mean, as here; its backward must run inside the context too).
+            with self.syncing(last=i == len(micro) - 1), loss_parallel() if self.args.sp else nullcontext():
                 # --amp bf16: the forward's matmuls in bfloat16, the weights and the loss in float32 (recipes/).
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.amp == "bf16"):
                     logits = self.model(xb)
@@ -171,7 +176,7 @@ class Trainer:
                     loss = F.cross_entropy(logits.flatten(0, 1), yb.flatten())
                 # Sync point (the last micro-batch): DDP all-reduces the gradients; FSDP2 reduce-scatters each unit's.
                 (loss / len(micro)).backward()
-            total += loss.detach()
+            total += (loss.to_local() if isinstance(loss, DTensor) else loss).detach()  # (--sp: Replicate, whole)
         norm = clip_gradients(self.model, self.args.clip)  # a collective under FSDP2 and tp
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(self.steps, self.args)
@@ -184,7 +189,7 @@ class Trainer:
         """The loss on the fixed held-out windows (16 x --context characters): a point of the curve."""
         self.model.eval()
         x, y = (self.cp.share(t).to(self.device) for t in self.curve_windows)  # every cp group: the same windows
-        loss = F.cross_entropy(self.model(x).flatten(0, 1).double(), y.flatten(), reduction="sum")
+        loss = F.cross_entropy(logits_of(self.model, x).flatten(0, 1).double(), y.flatten(), reduction="sum")
         if self.cp.size > 1:  # each cp rank scored its share of the positions
             dist.all_reduce(loss, group=self.cp.group)
         loss = loss.item() / y.numel() / self.cp.size
@@ -279,6 +284,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="over the dp ranks: a replica each (DDP) or a shard each (FSDP2, every block a unit)")
     p.add_argument("--tp", type=checks.positive(int), default=1,
                    help="tensor-parallel degree: processes that split every block (with --parallel fsdp)")
+    p.add_argument("--sp", action="store_true",
+                   help="sequence parallelism (with --tp): norms, residual stream and loss split by sequence over tp")
     p.add_argument("--cp", type=checks.positive(int), default=1,
                    help="context-parallel degree: processes that split every sequence (--context must be a multiple "
                         "of 2 x cp)")
@@ -344,7 +351,8 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         fallback = " (no GPU visible: using the CPU)" if args.device == "auto" and device.type == "cpu" else ""
         options = ", ".join(o for o in [f"--accumulate {args.accumulate}" if args.accumulate > 1 else "",
                                         f"--amp {args.amp}" if args.amp else "", "--compile" if args.compile else "",
-                                        f"--ac {args.ac}" if args.ac != "none" else ""] if o)
+                                        f"--ac {args.ac}" if args.ac != "none" else "",
+                                        "--sp" if args.sp else ""] if o)
         how = f" ({args.cp_impl}{', zigzag' if cp.zigzag else ', contiguous'})" if cp.size > 1 else ""
         print(f"[{STAGE}] world size {world_size} = dp {dp} x cp {cp.size}{how} x tp {args.tp} | "
               f"{args.parallel} | backend {dist.get_backend()} | device {device.type}{fallback} | {args.dtype}"
@@ -415,7 +423,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # Every process group, from one grid (grid.py): dp x cp x tp, a tp group's ranks consecutive.
         grid = Grid({"dp": world_size // (args.cp * args.tp), "cp": args.cp, "tp": args.tp}, device, args.timeout)
-        cp = ContextParallel(grid.group("cp"), args.cp_impl, zigzag=not args.no_zigzag)
+        # --sp: every cp share split again over tp (its length then a multiple of tp: evaluate's padding)
+        cp = ContextParallel(grid.group("cp"), args.cp_impl, zigzag=not args.no_zigzag,
+                             split=args.tp if args.sp else 1)
         train(rank, world_size, device, args, grid, cp, snapshot)
     except RuntimeError as e:  # gloo raises a peer's death or stall here, as a timeout or a closed connection
         if (hint := checks.explain_peer_failure(e, args.timeout)) is not None:

@@ -245,8 +245,10 @@ class ContextParallel:
     """This rank's place in its cp group: which part of every sequence it holds, and how its attention reaches the
     rest. cp = 1 (no group) holds the whole sequence: the same code then runs as stage 11's."""
 
-    def __init__(self, group: dist.ProcessGroup | None, impl: str = "ring", zigzag: bool = True) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, impl: str = "ring", zigzag: bool = True,
+                 split: int = 1) -> None:
         self.group, self.impl, self.zigzag = group, impl, zigzag
+        self.split = split  # --sp: each rank's share is cut again into tp contiguous parts (parallelize.SP_AROUND)
         self.size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
 
@@ -276,8 +278,9 @@ class ContextParallel:
         return whole
 
     def multiple(self) -> int:
-        """A sequence's length must be a multiple of this to split evenly (zigzag: 2cp chunks)."""
-        return 2 * self.size if self.zigzag and self.size > 1 else self.size
+        """A sequence's length must be a multiple of this to split evenly (zigzag: 2cp chunks; --sp: each rank's share,
+        t / cp, a multiple of tp too)."""
+        return math.lcm(2 * self.size if self.zigzag and self.size > 1 else self.size, self.size * self.split)
 
     def pad(self, x: torch.Tensor, fill: int) -> torch.Tensor:
         """x [b, n] with `fill` appended up to a length this group can split. At the end: under the causal mask no

@@ -94,9 +94,10 @@ def kept_elements(block: torch.nn.Module, x: torch.Tensor) -> int:
     return sum(kept.values()) // x.element_size()
 
 
-def one_step(gpt, model: torch.nn.Module, tokens: torch.Tensor, sp: bool) -> tuple[dict, list]:
-    """Trainer._run_step, the stage's own code, on a stand-in trainer (dp 1, batch B, no clipping): the gradients
-    its backward left (whole), and the collectives it called."""
+def one_step(gpt, model: torch.nn.Module, tokens: torch.Tensor, sp: bool, batch: int = B, dp_rank: int = 0,
+             dp: int = 1) -> tuple[dict, list]:
+    """Trainer._run_step, the stage's own code, on a stand-in trainer (dp rank `dp_rank` of `dp`, `batch` windows
+    each, no clipping): the gradients its backward left (whole), and the collectives it called."""
     grads: list = []
 
     class KeepGradient:  # the optimizer: keeps what backward accumulated instead of stepping
@@ -110,9 +111,10 @@ def one_step(gpt, model: torch.nn.Module, tokens: torch.Tensor, sp: bool) -> tup
 
     trainer = SimpleNamespace(
         model=model, optimizer=KeepGradient(), corpus=SimpleNamespace(train=tokens), cfg=model.cfg,
-        args=SimpleNamespace(seed=3, batch_size=B, accumulate=1, amp=None, clip=0, lr=0.1, warmup_steps=1,
+        args=SimpleNamespace(seed=3, batch_size=batch, accumulate=1, amp=None, clip=0, lr=0.1, warmup_steps=1,
                              decay_steps=10, sp=sp),
-        steps=0, dp_rank=0, dp=1, global_batch=B, device=torch.device("cpu"), syncing=lambda last: nullcontext())
+        steps=0, dp_rank=dp_rank, dp=dp, global_batch=dp * batch, device=torch.device("cpu"),
+        syncing=lambda last: nullcontext())
     with Collectives() as seen:
         gpt.Trainer._run_step(trainer)
     whole = {n: (g.full_tensor() if hasattr(g, "full_tensor") else g) for n, g in grads[0].items()}
@@ -199,8 +201,8 @@ def test_sp_without_tp_or_with_a_context_tp_does_not_divide_is_refused_in_one_li
 
 # ─── Launched: the stage's real launcher, against one process ──────────────────────────────────────────────────────
 
-def step(nproc: int, *args: str) -> Step:
-    return Step("11_gpt", "python" if nproc == 1 else "torchrun", (*TINY, *args), nproc=nproc)
+def step(nproc: int, *args: str, stage: str = "11_gpt") -> Step:
+    return Step(stage, "python" if nproc == 1 else "torchrun", (*TINY, *args), nproc=nproc)
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +217,14 @@ def runs(tmp_path_factory) -> dict[str, Run]:
 
 @pytest.mark.parametrize("name, world, ac", [("tp2", 2, "none"), ("dp2tp2", 4, "selective")])
 def test_every_layout_with_sp_is_one_process(runs, name, world, ac):
-    run, one = runs[name], runs["one"]
+    run = runs[name]
     assert (run.summary["sp"], run.summary["tp"], run.summary["world_size"], run.summary["ac"]) == (True, 2, world, ac)
+    is_one_process(name, run, runs["one"])
+
+
+def is_one_process(name: str, run: Run, one: Run) -> None:
+    """run (--sp) trained as one process: states, every step's loss and gradient norm, the held-out loss, the sample
+    and the saved model, within TOL."""
     assert "--sp" in run.stdout
     found, shared = gaps(run, one)
     assert shared == [0, 3] and max(found.values()) <= TOL, f"{name} --sp vs one process: {found}"
@@ -227,3 +235,37 @@ def test_every_layout_with_sp_is_one_process(runs, name, world, ac):
     model, reference = run.model, one.model
     assert model.keys() == reference.keys()
     assert max((model[k] - reference[k]).abs().max().item() for k in model) <= TOL
+
+
+# ─── Stages 12-14: --sp beside cp, pp and the experts, launched, against one process ──────────────────────────────
+# One 4-rank run a stage, on the first 100,000 characters of the text (a held-out tenth of 10,000: evaluation is most
+# of a tiny run's time), each against one process of the same data: stage 11's for 12 and 13 (the same GPT, drawn
+# alike), stage 14's own for its experts.
+SMALL = 100_000
+
+
+def later(stage: str, nproc: int, data: Path, *args: str) -> Step:
+    return step(nproc, "--batch-size", "4", *args, "--data", str(data), stage=stage)
+
+
+@pytest.fixture(scope="module")
+def later_runs(tmp_path_factory) -> dict[str, Run]:
+    tmp = tmp_path_factory.mktemp("sp_later")
+    data = tmp / "small.txt"
+    data.write_text(DATA.read_text()[:SMALL])
+    chains = {
+        "cp2tp2": [later("12_context_parallel", 4, data, "--parallel", "fsdp", "--cp", "2", "--tp", "2", "--sp")],
+        "pp2tp2": [later("13_pipeline_4d", 4, data, "--parallel", "fsdp", "--pp", "2", "--tp", "2", "--sp",
+                         "--accumulate", "2", "--batch-size", "2")],  # 2 micro-batches through the 2 stages
+        "one": [later("11_gpt", 1, data)],
+    }
+    return run_chains(chains, tmp)
+
+
+@pytest.mark.parametrize("name, reference, layout", [
+    ("cp2tp2", "one", {"cp": 2, "tp": 2, "world_size": 4}),
+    ("pp2tp2", "one", {"pp": 2, "tp": 2, "world_size": 4, "accumulate": 2})])
+def test_sp_beside_cp_pp_and_experts_is_one_process(later_runs, name, reference, layout):
+    run = later_runs[name]
+    assert {k: run.summary[k] for k in (*layout, "sp")} == {**layout, "sp": True}
+    is_one_process(name, run, later_runs[reference])
