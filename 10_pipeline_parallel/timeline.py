@@ -39,6 +39,19 @@ def bubble(events: list, p: int) -> float:
     return sum(idle(events, p)) / (p * span)
 
 
+def readme_table(path: Path) -> str:
+    """The rows of 10_pipeline_parallel/README.md's table, from a recorded schedules.json (a test checks they are
+    there): each run's measured bubble beside the formula, each rank's idle time, and the activations held."""
+    rows = []
+    for run in json.loads(path.read_text()):
+        p, m, v = run["p"], run["m"], run["v"]
+        rows.append(f"| {run['schedule']} | {p} | {v} | {m} | {bubble(run['events'], p):.1%} | "
+                    f"{formula(run['schedule'], p, m, v):.1%} | "
+                    f"{' / '.join(f'{t * 1e3:.0f}' for t in idle(run['events'], p))} | "
+                    f"{', '.join(map(str, run['peak_held']))} |")
+    return "\n".join(rows)
+
+
 def draw(runs: list[dict], path: Path) -> None:
     """One panel per run, one row per rank: each computation a box at its measured start and end, labelled with
     its micro-batch (and its stage where a rank holds several)."""
