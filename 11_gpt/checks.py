@@ -167,6 +167,13 @@ def check_gpt_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Name
     if world_size % args.tp:
         p.error(f"argument --tp: {args.tp} does not divide the world size {world_size} (the grid is dp x "
                 f"tp processes); use a divisor of {world_size}")
+    if args.replicate > 1 and args.parallel != "fsdp":
+        p.error("argument --replicate: HSDP keeps replicas of FSDP2's shards (DDP already replicates over every dp "
+                "rank); add --parallel fsdp")
+    if args.replicate > 1 and (world_size // args.tp) % args.replicate:
+        dp = world_size // args.tp
+        p.error(f"argument --replicate: {args.replicate} does not divide dp {dp} (world size {world_size} / --tp "
+                f"{args.tp}: replicate x shard = dp); use one of {[d for d in range(1, dp + 1) if dp % d == 0]}")
     if args.heads % args.tp:
         p.error(f"argument --tp: {args.tp} does not divide --heads {args.heads} (each tp rank computes whole heads); "
                 f"use one of {[d for d in range(1, args.heads + 1) if args.heads % d == 0]}")

@@ -1,9 +1,11 @@
 """Who talks to whom: every process group of the job, made from one grid of ranks, here and nowhere else.
 
-The world's ranks fill a grid dp x tp, tp the innermost: rank = dp_i * tp + tp_i.
+The world's ranks fill a grid dp x tp, tp the innermost: rank = dp_i * tp + tp_i; dp itself is replicate x shard
+(--replicate R, HSDP: R x S = dp, shard the inner), so rank = (replicate_i * S + shard_i) * tp + tp_i.
 A process group is a line of that grid, the ranks that differ in some coordinates only: a tp group is tp consecutive
 ranks (one node: its all-reduces, one per block and direction, are the most frequent traffic); a dp group, the ranks at
-the same place of every row (they hold the same slices). Rank 0 prints the layout at start-up (`describe`)."""
+the same place of every row (they hold the same slices); a shard group, S consecutive rows of it, a replicate group the
+rows at the same place of every shard group. Rank 0 prints the layout at start-up (`describe`)."""
 from __future__ import annotations
 
 import math
@@ -13,24 +15,35 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-DIMS = ("dp", "tp")  # outermost first
-# The DeviceMesh's dimensions (FSDP2 and tp's plans take it), each made of the grid's.
-MESH = {"dp": ("dp",), "tp": ("tp",)}
+DIMS = ("replicate", "shard", "tp")  # outermost first; dp = replicate x shard
+# The DeviceMesh's dimensions (FSDP2 and tp's plans take it), each made of the grid's. HSDP's 2-D mesh is its
+# (replicate, shard) slice: FSDP2 shards over the last and replicates over the first. Why split dp: a shard group is
+# S consecutive rows, one node's fast links, and the weights' all-gathers (every unit, forward and backward) and the
+# gradients' reduce-scatters stay inside it; only the reduce-scattered gradients, 1/S of them, cross the slow links
+# between nodes, all-reduced over a replicate group once a step.
+MESH = {"replicate": ("replicate",), "shard": ("shard",), "tp": ("tp",)}
 ROLES = {"tp": "tensor parallel: split every block's matmuls",
+         "shard": "HSDP: FSDP2 shards over these (a node)",
+         "replicate": "HSDP: the shards' replicas, gradients all-reduced",
          "dp": "DDP or FSDP2: average (or shard) over a tp column"}
 
 
 class Grid:
-    """This rank's place in the grid (`coords`, `sizes`), its groups (`group(name)`) and the DeviceMesh (`mesh`)
-    that FSDP2 and tp's plans take."""
+    """This rank's place in the grid (`coords`, `sizes`: dp among them), its groups (`group(name)`) and the DeviceMesh
+    (`mesh`) that FSDP2 and tp's plans take."""
 
     def __init__(self, sizes: dict[str, int], device: torch.device, timeout: float) -> None:
-        self.sizes = {d: sizes[d] for d in DIMS}
+        replicate = sizes.get("replicate", 1)  # sizes: dp and tp, and the replicas dp holds (--replicate, default 1)
+        self.sizes = {"replicate": replicate, "shard": sizes["dp"] // replicate, "tp": sizes["tp"]}
         self.ranks = torch.arange(dist.get_world_size()).reshape(tuple(self.sizes.values()))
         self.coords = dict(zip(DIMS, (self.ranks == dist.get_rank()).nonzero()[0].tolist(), strict=True))
-        self.members = {"tp": self.lines("tp"), "dp": self.lines("dp")}
+        self.sizes["dp"] = self.sizes["replicate"] * self.sizes["shard"]
+        self.coords["dp"] = self.coords["replicate"] * self.sizes["shard"] + self.coords["shard"]
+        self.members = {"tp": self.lines("tp"), "shard": self.lines("shard"), "replicate": self.lines("replicate"),
+                        "dp": self.lines("replicate", "shard")}
         # Every rank makes every group, in the same order, each waiting --timeout like the world's (a group made
-        # without one waits 30 minutes, so a stalled rank would hang the job).
+        # without one waits 30 minutes, so a stalled rank would hang the job); one per name, even where two names
+        # hold the same ranks (R = 1: the shard groups are the dp groups), so each method's collectives keep to its own.
         wait = timedelta(seconds=timeout)
         self.groups = {name: dist.new_subgroups_by_enumeration(lines, timeout=wait)[0]
                        for name, lines in self.members.items()}
@@ -49,14 +62,16 @@ class Grid:
         return self.groups.get(name)
 
     def describe(self) -> str:
-        """The layout: the grid, then a line a group of more than one rank, its role and its first lines of ranks."""
-        formula = DIMS[0]
-        for d in DIMS[1:]:
+        """The layout: the grid (dp x tp; where R > 1, dp's split), then a line a group of more than one rank, its
+        role and its first lines of ranks."""
+        dims = DIMS if self.sizes["replicate"] > 1 else ("dp", "tp")
+        formula = dims[0]
+        for d in dims[1:]:
             formula = f"({formula}) * {self.sizes[d]} + {d}" if "+" in formula else f"{formula} * {self.sizes[d]} + {d}"
-        out = [f"grid: {' x '.join(f'{d} {n}' for d, n in self.sizes.items())} = {self.ranks.numel()} ranks, "
+        out = [f"grid: {' x '.join(f'{d} {self.sizes[d]}' for d in dims)} = {self.ranks.numel()} ranks, "
                f"rank = {formula}"]
         for name, lines in self.members.items():
-            if len(lines[0]) > 1:
+            if len(lines[0]) > 1 and (name != "shard" or self.sizes["replicate"] > 1):  # R = 1: the dp groups
                 shown = " ".join(map(str, lines[:4])) + (f" ... ({len(lines)} groups)" if len(lines) > 4 else "")
                 out.append(f"  {name:<11} {ROLES[name]}: {shown}")
         return "\n".join(out)

@@ -4,10 +4,11 @@ Every stage so far trained a 4,996-parameter MLP on synthetic data. This one tra
 (model.py) on 1.1 MB of Shakespeare, one character per token (dataset.py), with what the stages taught
 (parallelize.py), each a flag: DDP or FSDP2 (--parallel), tensor parallelism (--tp), gradient accumulation
 (--accumulate), bf16 autocast (--amp), torch.compile (--compile), sharded checkpoints that resume exactly on any
-number of ranks (--snapshot); and two more, activations recomputed in backward instead of kept (--ac), and the
-norms, residual stream and loss split by sequence over tp too (--sp). It is trained as real trainers train: AdamW
-with weight decay on the matrices only, the learning rate warmed up then decayed along a cosine, the gradient clipped
-(its norm taken over the whole model, however it is split). It reports how fast (tokens/s, and the MFU), how much
+number of ranks (--snapshot); and three more, activations recomputed in backward instead of kept (--ac), the
+norms, residual stream and loss split by sequence over tp too (--sp), and FSDP2's shards kept inside groups of ranks,
+replicated across them (HSDP: --replicate). It is trained as real trainers train: AdamW with weight decay on the
+matrices only, the learning rate warmed up then decayed along a cosine, the gradient clipped (its norm taken over the
+whole model, however it is split). It reports how fast (tokens/s, and the MFU), how much
 memory, and how well (evaluate.py): the held-out loss beside three baselines computed from the text, and a sample.
 
     python 11_gpt/train.py --max-steps 100                       # one process, 100 steps
@@ -270,6 +271,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=checks.positive(int), default=100, help="steps between checkpoints")
     p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
                    help="over the dp ranks: a replica each (DDP) or a shard each (FSDP2, every block a unit)")
+    p.add_argument("--replicate", type=checks.positive(int), default=1,
+                   help="HSDP (with --parallel fsdp): R replicas of FSDP2's shards, each over dp / R ranks")
     p.add_argument("--tp", type=checks.positive(int), default=1,
                    help="tensor-parallel degree: processes that split every block (with --parallel fsdp)")
     p.add_argument("--sp", action="store_true",
@@ -332,7 +335,8 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
                                         f"--amp {args.amp}" if args.amp else "", "--compile" if args.compile else "",
                                         f"--ac {args.ac}" if args.ac != "none" else "",
                                         "--sp" if args.sp else ""] if o)
-        print(f"[{STAGE}] world size {world_size} = dp {dp} x tp {args.tp} | {args.parallel} | backend "
+        split = f" (replicate {args.replicate} x shard {dp // args.replicate})" if args.replicate > 1 else ""
+        print(f"[{STAGE}] world size {world_size} = dp {dp}{split} x tp {args.tp} | {args.parallel} | backend "
               f"{dist.get_backend()} | device {device.type}{fallback} | {args.dtype}" + (f" | {options}" if options
                                                                                         else ""))
         if world_size > 1:
@@ -399,8 +403,8 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(stale)
     ddp_setup(ddp, device, args.timeout)
     try:
-        # Every process group, from one grid (grid.py): dp x tp, a tp group's ranks consecutive.
-        grid = Grid({"dp": world_size // args.tp, "tp": args.tp}, device, args.timeout)
+        # Every process group, from one grid (grid.py): dp x tp, a tp group's ranks consecutive; dp = R x S (HSDP).
+        grid = Grid({"replicate": args.replicate, "dp": world_size // args.tp, "tp": args.tp}, device, args.timeout)
         train(rank, world_size, device, args, grid, snapshot)
     except RuntimeError as e:  # gloo raises a peer's death or stall here, as a timeout or a closed connection
         if (hint := checks.explain_peer_failure(e, args.timeout)) is not None:

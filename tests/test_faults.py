@@ -520,6 +520,9 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
                   ("--warmup-steps", "20", "--max-steps", "10"): "--warmup-steps"}  # a warm-up past the decay's end
     if stage == "11_gpt":  # --sp splits the sequence over tp: without --tp (here 1) there is nothing to split it over
         table |= {("--sp",): "--sp"}
+    if stage == "11_gpt":  # HSDP: FSDP2's replicas (here with DDP, and in a world of 1)
+        table |= {("--replicate", "0"): "--replicate", ("--replicate", "x"): "--replicate",
+                  ("--replicate", "2"): "--replicate"}
     if stage in (CP_STAGE, PP_STAGE, EP_STAGE):  # alone, a world of 1: only --cp 1 divides it
         table |= {("--cp", "0"): "--cp", ("--cp", "x"): "--cp", ("--cp", "2"): "--cp",
                   ("--cp-impl", "torch"): "--cp-impl", ("--no-zigzag=1",): "--no-zigzag"}
