@@ -41,12 +41,13 @@ def bubble(events: list, p: int) -> float:
 
 def readme_table(path: Path) -> str:
     """The rows of 10_pipeline_parallel/README.md's table, from a recorded schedules.json (a test checks they are
-    there): each run's measured bubble beside the formula, each rank's idle time, and the activations held."""
+    there): each run's measured bubble beside the formula, the step's length, each rank's idle time, and the
+    activations held."""
     rows = []
     for run in json.loads(path.read_text()):
         p, m, v = run["p"], run["m"], run["v"]
         rows.append(f"| {run['schedule']} | {p} | {v} | {m} | {bubble(run['events'], p):.1%} | "
-                    f"{formula(run['schedule'], p, m, v):.1%} | "
+                    f"{formula(run['schedule'], p, m, v):.1%} | {max(e[5] for e in run['events']) * 1e3:,.0f} | "
                     f"{' / '.join(f'{t * 1e3:.0f}' for t in idle(run['events'], p))} | "
                     f"{', '.join(map(str, run['peak_held']))} |")
     return "\n".join(rows)
@@ -59,7 +60,8 @@ def draw(runs: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.1 + 0.55 * sum(r["p"] for r in runs)), squeeze=False)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.1 + 0.55 * sum(r["p"] for r in runs)), squeeze=False,
+                             sharex=True)
     for ax, run in zip(axes[:, 0], runs, strict=True):
         p, v = run["p"], run["v"]
         for rank, stage, mb, kind, start, end, _ in run["events"]:

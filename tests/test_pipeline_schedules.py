@@ -168,3 +168,16 @@ def test_the_bubble_on_the_schedules_own_clock_is_the_formula():
                 events = [[owner[s], s, mb, kind, start, end, None] for (kind, s, mb), (start, end) in when.items()]
                 expected = module.formula(name, p, m, v)
                 assert abs(module.bubble(events, p) - expected) < 1e-12, (name, p, m, module.bubble(events, p))
+
+
+def test_the_readme_shows_the_recorded_run():
+    """10's README table is made from the committed record of the run behind its picture (timeline.readme_table), not
+    typed; and the record is a real run of all four schedules at P = 2: its events are each rank's table."""
+    module, timeline = load_copy(SCRIPT), load_copy(ROOT / STAGE / "timeline.py")
+    record = ROOT / STAGE / "schedules_measured.json"
+    assert timeline.readme_table(record) in (ROOT / STAGE / "README.md").read_text()
+    for run in json.loads(record.read_text()):
+        got = orders(run)
+        expected = [[f"{k}{mb}.{s}" for k, s, mb in module.SCHEDULES[run["schedule"]](run["m"], r, run["p"], run["v"])]
+                    for r in range(run["p"])]
+        assert got == expected, run["schedule"]
