@@ -169,6 +169,12 @@ def check_gpt_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Name
     if args.cp > 1 and args.context % multiple:
         p.error(f"argument --context: {args.context} is not a multiple of {multiple} ({why}); use --context "
                 f"{max(multiple, args.context // multiple * multiple)}")
+    if args.sp and args.tp == 1:
+        p.error("argument --sp: sequence parallelism splits the sequence over the tp ranks; add --tp 2 or more")
+    if args.sp and args.context % (args.cp * args.tp):  # (after the cp checks: a cp share is context / cp tokens)
+        share = f"--context {args.context}" + (f" / --cp {args.cp}" if args.cp > 1 else "")
+        p.error(f"argument --sp: --tp {args.tp} does not divide {share} (each tp rank holds an equal part of every "
+                f"window{'s cp share' if args.cp > 1 else ''})")
     if args.cp > 1 and args.compile:
         p.error("argument --compile: the ring's sends and receives run between the compiled parts; compile with "
                 "--cp 1")

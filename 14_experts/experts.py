@@ -21,15 +21,17 @@ from torch.distributed.tensor import DTensor, Shard
 # balancing loss (Switch's) pushes back.
 
 
-def balance_loss(probs: torch.Tensor, chosen: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def balance_loss(probs: torch.Tensor, chosen: torch.Tensor, groups: list[dist.ProcessGroup | None]) -> torch.Tensor:
     """Switch Transformer's load-balancing loss, E * sum_i f_i * P_i: f_i the share of the routed tokens that went to
     expert i (counted, no gradient), P_i the router's mean probability for expert i (the gradient flows here). It is
     1 when the load is even and grows as it concentrates. f is counted over the whole micro-batch, every process's
-    tokens (`group`: an all-reduce of E numbers), so the loss is one process's; P is this rank's mean, and averaging
-    the ranks' gradients (DDP) averages it into the whole batch's. (Most trainers count f per rank: --balance rank.)"""
+    tokens (`groups`: an all-reduce of E numbers over each; --sp: over tp too, where each rank routes its own tokens),
+    so the loss is one process's; P is this rank's mean, and averaging the ranks' gradients (DDP) averages it into the
+    whole batch's. (Most trainers count f per rank: --balance rank.)"""
     counts = torch.bincount(chosen.flatten(), minlength=probs.shape[-1]).to(probs.dtype)
-    if group is not None:
-        dist.all_reduce(counts, group=group)
+    for group in groups:
+        if group is not None:  # (None: a group of one)
+            dist.all_reduce(counts, group=group)
     return probs.shape[-1] * (counts / counts.sum() * probs.mean(0)).sum()
 
 
@@ -160,7 +162,7 @@ class MoE(nn.Module):
         self.top_k = top_k
         self.ep: ExpertParallel | None = None  # set by parallelize()
         self.capacity_factor: float | None = None  # --capacity-factor; None: dropless
-        self.balance_group: dist.ProcessGroup | None = None  # --balance batch: the micro-batch's ranks
+        self.balance_groups: list[dist.ProcessGroup | None] = []  # --balance batch: the micro-batch's ranks
         self.aux_weight = 0.0  # --aux-weight, per micro-batch (set by parallelize())
         self.recomputing = False  # --ac: True while backward runs the forward again (parallelize.checkpointed)
         # For the log and --out, a tally per forward in training: tokens per expert, balancing loss, dropped pairs.
@@ -192,7 +194,7 @@ class MoE(nn.Module):
         # the block's residual carries the token on).
         out = torch.zeros_like(x).index_add_(0, token, (out * gates.flatten()[order, None]).to(x.dtype))  # (--amp)
         if self.training:
-            aux = balance_loss(probs, chosen, self.balance_group)
+            aux = balance_loss(probs, chosen, self.balance_groups)
             out = WithBalanceLoss.apply(out, aux, self.aux_weight)
             if not self.recomputing:  # (recomputed, the same tokens take the same experts: tallied once)
                 dropped = (routed - counts).sum()
@@ -229,11 +231,11 @@ class ExpertLog:
             moe.tallies = []
         self.pending.append(tally)
 
-    def settle(self, groups: list[dist.ProcessGroup], micro_batches: int, tokens: int) -> None:
-        """Summed over `groups` (the dp x cp ranks, then the pipeline's stages); the balancing loss averaged over the
-        forwards that computed it (each dp x cp rank's micro-batches); the dropped pairs over those routed in a step's
-        `tokens` (k a token in every block)."""
-        forwards = dist.get_world_size(groups[0]) * micro_batches
+    def settle(self, groups: list[dist.ProcessGroup], forwards: int, tokens: int) -> None:
+        """Summed over `groups` (the dp x cp ranks, --sp the tp ranks, then the pipeline's stages); the balancing loss
+        averaged over the `forwards` that computed it (each dp x cp rank's micro-batches; --sp: each tp rank's too, its
+        loss taken over its own tokens); the dropped pairs over those routed in a step's `tokens` (k a token in every
+        block)."""
         tally = torch.stack(self.pending)  # [steps, blocks, E + 2]
         for group in groups:
             dist.all_reduce(tally, group=group)

@@ -13,9 +13,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
@@ -33,11 +41,42 @@ from pipeline import Pipeline
 TP_PLAN = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
            "attn.proj": RowwiseParallel()}
 
+# --sp (sequence parallelism, Korthikanti et al. 2022): between the blocks' matmuls, the residual stream and the norms
+# are split by sequence over tp (Shard(1): each tp rank holds t / tp of every window's tokens) instead of whole on
+# every tp rank. A block's edges change: q, k and v need every token, so the attention's input is all-gathered first
+# (Shard(1) -> Replicate); the row-wise layer's partial sums are reduce-scattered back to Shard(1) instead of
+# all-reduced. An all-reduce is a reduce-scatter then an all-gather: the same bytes, moved to
+# where the norms can work on t / tp tokens (backward moves fewer: q, k and v's input gradients, DTensors now, are
+# summed before one reduce-scatter, where TP_PLAN all-reduces each). The norms' weights become Replicate DTensors
+# on the tp mesh (SequenceParallel): see split_over_tp for their gradients, and sum_over_tp for the experts'.
+SP_PLAN = {"norm1": SequenceParallel(), "norm2": SequenceParallel(),  # on Shard(1); their weights Replicate DTensors
+           "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),  # all-gather
+           "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+           "attn.proj": RowwiseParallel(output_layouts=Shard(1)),  # reduce-scatter
+           # The experts take norm2's Shard(1) as it is, a plain tensor (its local part): each tp rank routes its own
+           # t / tp tokens (and under --ep sends its own to their experts), no gather; the output is those tokens'.
+           "moe": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                     use_local_output=True)}
+# Around the blocks, under --sp. The embeddings stay whole on every rank (small here) and each rank keeps its tokens'
+# rows of their outputs (Replicate -> Shard: a slice, no traffic forward; backward all-gathers their gradient, so
+# every rank's embedding gradient is whole). The positions: GPT.forward looks up this cp rank's positions, [t/cp, w]
+# (cp.positions: zigzag chunks r and 2cp-1-r); cut on its dim 0 by the same rule (torch.chunk's) as the tokens'
+# [b, t/cp, w] on dim 1: the cp rule first, then tp rank r takes the r-th contiguous t/(cp tp) of its cp share, the
+# very tokens it holds: the sum is right token by token. Attention needs a cp share whole: SP_PLAN's all-gather over
+# tp rebuilds it before q, k and v, then the ring (or all-gather) over cp reaches the other shares' keys and values.
+# The head column-wise over the vocabulary, its input all-gathered from Shard(1), its logits left split by vocabulary
+# (a DTensor, Shard(-1)): the loss is computed on them under loss_parallel (train.py), never gathering [tokens, vocab].
+SP_AROUND = {"tokens": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+             "positions": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0)),
+             "norm": SequenceParallel(),
+             "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+
 # --ac selective keeps the outputs of the ops costly to recompute, named as autograd sees them: the matmuls (nn.Linear
 # is addmm; mm and bmm as they appear), attention (aten::_scaled_dot_product_..., one kernel per device), and under
-# --tp the all-reduce of a row-wise layer's sums (else a collective again in backward). The rest (norms, gelu, adds,
-# reshapes) is recomputed from them.
-KEEP = {"aten::mm", "aten::addmm", "aten::bmm", "_c10d_functional::all_reduce"}
+# --tp the all-reduce of a row-wise layer's sums (else a collective again in backward), under --sp its
+# reduce-scatter. The rest (norms, gelu, adds, reshapes) is recomputed from them.
+KEEP = {"aten::mm", "aten::addmm", "aten::bmm", "_c10d_functional::all_reduce",
+        "_c10d_functional::reduce_scatter_tensor"}
 
 
 def keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -80,9 +119,13 @@ def parallelize(model: GPT, grid: Grid, cp: ContextParallel, ep: ExpertParallel,
         moe.ep, moe.capacity_factor = ep, args.capacity_factor
         # The balancing loss joins the step's loss as the mean over its micro-batches, like the loss (under --pp,
         # torch's schedule divides every gradient by the micro-batches itself).
-        moe.aux_weight = args.aux_weight / (1 if args.pp > 1 else args.accumulate)
-        # --balance batch: the loss counts the load over every dp x cp rank's tokens, as one process would.
-        moe.balance_group = grid.group("dp_cp") if args.balance == "batch" else None
+        # --sp: each tp rank's balancing loss takes P over its own t / tp tokens, and sum_over_tp adds the tp ranks'
+        # gradients: / tp makes that sum the gradient of P's mean over the micro-batch, as one process's.
+        moe.aux_weight = args.aux_weight / (1 if args.pp > 1 else args.accumulate) / (args.tp if args.sp else 1)
+        # --balance batch: the loss counts the load over every dp x cp rank's tokens, as one process would (--sp:
+        # and over the tp ranks, each routing its own tokens).
+        moe.balance_groups = ([grid.group("dp_cp")] + ([grid.group("tp")] if args.sp else [])
+                              if args.balance == "batch" else [])
         for name in ("fc_weight", "fc_bias", "proj_weight", "proj_bias"):  # each rank keeps its E / ep experts
             setattr(moe.experts, name, ep.shard(getattr(moe.experts, name)))
     if cp.size > 1:
@@ -90,8 +133,7 @@ def parallelize(model: GPT, grid: Grid, cp: ContextParallel, ep: ExpertParallel,
         for block in model.blocks.values():
             block.attn.cp = cp
     if args.tp > 1:  # every rank built the same weights (the same seed): each keeps its slice, no broadcast
-        for block in model.blocks.values():
-            parallelize_module(block, grid.mesh["tp"], TP_PLAN)
+        split_over_tp(model, grid.mesh["tp"], args.sp)
         # Gathering a weight split over tp and sharded over dp takes two all-gathers: torch warns, on every rank.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     if args.ac != "none":  # torchtitan's order: after tp, so that the recomputed forward is each rank's slice of it;
@@ -120,6 +162,30 @@ def parallelize(model: GPT, grid: Grid, cp: ContextParallel, ep: ExpertParallel,
     if ep.size > 1:  # DDP would average them over every rank; a rank's experts are its own (average_gradients)
         DDP._set_params_and_buffers_to_ignore_for_model(model, list(expert_params(model)))
     return DDP(model, device_ids=[device] if device.type == "cuda" else None, process_group=grid.group("dp_cp"))
+
+
+def split_over_tp(model: GPT, mesh: DeviceMesh, sp: bool) -> None:
+    """Every block by TP_PLAN, or by SP_PLAN and the embeddings, final norm and head by SP_AROUND (--sp)."""
+    for block in model.blocks.values():
+        parallelize_module(block, mesh, SP_PLAN if sp else TP_PLAN)
+    if sp:  # The norms' weight gradients: each tp rank's norm sees only its t / tp tokens, so its gradient is a sum
+        # over those tokens, a part of the whole. SequenceParallel made the weights Replicate DTensors on the tp mesh,
+        # so autograd's layer_norm backward returns their gradient as Partial (a sum pending over tp), and DTensor
+        # all-reduces it into the Replicate .grad (as the norms' weights are, every rank's the same). Plain tensors
+        # there would each keep their rank's part, and the tp ranks' norms drift apart.
+        # A pipeline stage (--pp) holds some of these only: the first the embeddings, the last the norm and the head.
+        parallelize_module(model, mesh, {name: plan for name, plan in SP_AROUND.items()
+                                         if getattr(model, name) is not None})
+
+
+def sum_over_tp(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """--sp: the routers' and the experts' gradients summed over tp (an all-reduce, after backward). Each tp rank
+    routed its own t / tp tokens (SP_PLAN's "moe"), so its gradient of these weights is a sum over those tokens only:
+    a part, as the norms' are, but these are plain tensors (DTensor's ops do not route tokens), so the sum is written
+    here. Left out, the tp ranks' routers and experts drift apart."""
+    for name, p in model.named_parameters():
+        if p.grad is not None and (".moe.router." in name or ".experts." in name):
+            dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=group)
 
 
 def full_model(model: nn.Module, cfg: Config, pipe: Pipeline) -> GPT | None:

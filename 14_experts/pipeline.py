@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
 
 from model import GPT
 
@@ -49,8 +50,12 @@ def next_char_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 class Pipeline:
     """This rank's place in its pipeline. pp = 1 (no group) holds the whole model: the code then runs as without."""
 
-    def __init__(self, group: dist.ProcessGroup | None, width: int, dtype: torch.dtype) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, width: int, dtype: torch.dtype, split: int = 1) -> None:
         self.group, self.width, self.dtype = group, width, dtype  # what passes between stages: [b, t, width], dtype
+        # --sp: a rank passes on its part of the residual stream only, [b, t / tp, width] (split = tp): the stream is
+        # split by sequence between the blocks, and a stage's edge is between two blocks (torch's schedule learns
+        # the shape from the first step's forward; `forward` below is told it).
+        self.split = split
         self.size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
         self.first, self.last = self.rank == 0, self.rank == self.size - 1
@@ -72,22 +77,25 @@ class Pipeline:
         # each: at a vocabulary of 128,256 and 8,192 tokens, 4 GiB a sequence (at_scale/).
         schedule.step(*([x] if self.first else []), target=y if self.last else None,
                       losses=losses if self.last else None, return_outputs=False)
-        return torch.stack(losses).detach().sum() if self.last else None
+        if not self.last:
+            return None
+        # (--sp: each loss a Replicate DTensor, whole on every tp rank: its local tensor is the loss)
+        return torch.stack([loss.to_local() if isinstance(loss, DTensor) else loss for loss in losses]).detach().sum()
 
     @torch.no_grad()
     def forward(self, model: nn.Module, idx: torch.Tensor) -> torch.Tensor | None:
         """The logits for token ids idx [b, t] without a backward (evaluation, sampling): the whole batch through
         the stages one after another (micro-batches would only add steps: there is no backward to overlap with).
-        The logits on the last stage, None on the others. Every stage is given idx: the shape of what it receives."""
-        if self.size == 1:
-            return model(idx)
+        The logits on the last stage, None on the others. Every stage is given idx: the shape of what it receives.
+        The logits whole: --sp leaves them split over tp by vocabulary (a DTensor), gathered here (a sample, a loss on
+        few windows)."""
         x = idx
         if not self.first:
-            x = torch.empty(*idx.shape, self.width, dtype=self.dtype, device=idx.device)
+            x = torch.empty(idx.shape[0], idx.shape[1] // self.split, self.width, dtype=self.dtype, device=idx.device)
             dist.recv(x, group=self.group, group_src=self.rank - 1)
         out = model(x)
         if self.last:
-            return out
+            return out.full_tensor() if isinstance(out, DTensor) else out
         dist.send(out.to(self.dtype).contiguous(), group=self.group, group_dst=self.rank + 1)  # (--amp: from bf16)
         return None
 

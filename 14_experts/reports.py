@@ -140,7 +140,7 @@ def write_run(args: argparse.Namespace, trainer: Trainer, model: GPT, floor: dic
         "device": trainer.device.type, "dtype": args.dtype, "parallel": args.parallel, "dp": trainer.dp,
         "tp": args.tp, "pp": args.pp, "pp_schedule": args.pp_schedule,
         "cp": args.cp, "cp_impl": args.cp_impl, "zigzag": not args.no_zigzag,
-        "accumulate": args.accumulate, "amp": args.amp, "compile": args.compile, "ac": args.ac,
+        "accumulate": args.accumulate, "amp": args.amp, "compile": args.compile, "ac": args.ac, "sp": args.sp,
         "batch_size": args.batch_size, "global_batch": trainer.global_batch, "max_steps": args.max_steps,
         **schedule(args), "clip": args.clip, "seed": args.seed, "model": model.cfg._asdict(),
         "parameters": sum(p.numel() for p in model.parameters()),

@@ -29,6 +29,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 # The files beside this one (`python train.py` puts its folder first on sys.path). checks.py refuses bad flags and
@@ -42,7 +44,7 @@ from evaluate import clock, held_out_loss, sample
 from experts import ExpertLog, ExpertParallel, add_expert_flags, describe_experts
 from grid import Grid
 from model import DTYPES, GPT, Config, parameters
-from parallelize import clip_gradients, full_model, parallelize, replica_max_abs_diff
+from parallelize import clip_gradients, full_model, parallelize, replica_max_abs_diff, sum_over_tp
 from pipeline import SCHEDULES, Pipeline, next_char_loss, pipeline_stage
 
 STAGE = "14_experts"
@@ -160,21 +162,28 @@ class Trainer:
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         # --amp bf16: the forward's matmuls in bfloat16, the weights and the loss in float32 (recipes/).
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.amp == "bf16")
+        # --sp: the logits are split by vocabulary over tp (a DTensor); loss_parallel's cross_entropy takes each
+        # token's max and sum of exponentials over the vocabulary by all-reducing [tokens] numbers, not [tokens, vocab];
+        # its backward must run inside the context too. Under --pp both run inside schedule.step: torch's schedule
+        # calls the loss (_maybe_compute_loss) on the last stage's output, then its backward (backward_one_chunk).
+        parallel_loss = loss_parallel if self.args.sp else nullcontext
         if self.schedule is not None:
-            with amp:  # sync points: the stages' sends and receives; FSDP2's reduce-scatter after the last backward
+            with amp, parallel_loss():  # sync points: the stages' sends and receives; FSDP2's reduce-scatter at the end
                 if (losses := self.pipe.step(self.schedule, x, y)) is not None:  # the last stage's
                     total += losses
         else:
             micro = list(zip(x.split(self.args.batch_size), y.split(self.args.batch_size), strict=True))
             for i, (xb, yb) in enumerate(micro):
-                with self.syncing(last=i == len(micro) - 1):
+                with self.syncing(last=i == len(micro) - 1), parallel_loss():
                     with amp:
                         # The mean over this rank's tokens: each cp rank holds as many, so the cp ranks' mean loss is
                         # the windows' loss, and their averaged gradient (DDP's, FSDP2's) the windows' gradient.
                         loss = next_char_loss(self.model(xb), yb)
                     # Sync point (the last micro-batch): DDP all-reduces the gradients, FSDP2 reduce-scatters them.
                     (loss / len(micro)).backward()  # (and the balancing loss's gradient: experts.py)
-                total += loss.detach()
+                total += (loss.to_local() if isinstance(loss, DTensor) else loss).detach()  # (--sp: Replicate)
+        if self.args.sp:  # each tp rank routed its own tokens: the routers' and experts' gradients are parts
+            sum_over_tp(self.model, self.grid.group("tp"))
         if self.ep.size > 1:  # the expert weights: DDP left them alone (parallelize.py)
             self.ep.average_gradients(self.model, self.dp * self.cp.size)
         self.expert_log.step_done(self.args.accumulate)
@@ -246,8 +255,11 @@ class Trainer:
         self.losses += (losses / (self.dp * self.cp.size)).tolist()
         self.grad_norms += norms.tolist()  # the same on every rank: the whole gradient's
         self.pending = []
-        groups = [self.grid.group("dp_cp")] + ([self.pipe.group] if self.pipe.size > 1 else [])
-        self.expert_log.settle(groups, self.args.accumulate, self.global_batch * self.cfg.context)
+        # --sp: each tp rank tallied its own tokens (SP_PLAN's "moe"): summed over tp too
+        split = [self.grid.group("tp")] if self.args.sp else []
+        groups = [self.grid.group("dp_cp"), *split] + ([self.pipe.group] if self.pipe.size > 1 else [])
+        forwards = self.dp * self.cp.size * self.args.accumulate * (self.args.tp if self.args.sp else 1)
+        self.expert_log.settle(groups, forwards, self.global_batch * self.cfg.context)
 
     def record(self) -> None:
         """--out: keep the whole state (gathered: every rank calls this), for the tests to compare runs step by step."""
@@ -283,6 +295,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="over the dp ranks: a replica each (DDP) or a shard each (FSDP2, every block a unit)")
     p.add_argument("--tp", type=checks.positive(int), default=1,
                    help="tensor-parallel degree: processes that split every block (with --parallel fsdp)")
+    p.add_argument("--sp", action="store_true",
+                   help="sequence parallelism (with --tp): norms, residual stream and loss split by sequence over tp")
     p.add_argument("--cp", type=checks.positive(int), default=1,
                    help="context-parallel degree: processes that split every sequence (--context must be a multiple "
                         "of 2 x cp)")
@@ -354,7 +368,8 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         fallback = " (no GPU visible: using the CPU)" if args.device == "auto" and device.type == "cpu" else ""
         options = ", ".join(o for o in [f"--accumulate {args.accumulate}" if args.accumulate > 1 else "",
                                         f"--amp {args.amp}" if args.amp else "", "--compile" if args.compile else "",
-                                        f"--ac {args.ac}" if args.ac != "none" else ""] if o)
+                                        f"--ac {args.ac}" if args.ac != "none" else "",
+                                        "--sp" if args.sp else ""] if o)
         how = f" ({args.cp_impl}{', zigzag' if cp.zigzag else ', contiguous'})" if cp.size > 1 else ""
         stages = f"pp {pipe.size} ({args.pp_schedule}, {args.accumulate} micro-batch" \
             f"{'es' if args.accumulate > 1 else ''}) x " if pipe.size > 1 else ""
@@ -371,7 +386,7 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
               f"{args.accumulate} windows per dp rank, {trainer.global_batch} global = "
               f"{trainer.global_batch * cfg.context:,} tokens a step | {args.max_steps} steps"
               + (f" | {cfg.context // cp.size} positions of each window per cp rank" if cp.size > 1 else ""))
-        print(describe_experts(args, cfg, ep, split=dp * cp.size > 1))
+        print(describe_experts(args, cfg, ep, split=dp * cp.size > 1 or args.sp))
         print(f"AdamW: learning rate up to {args.lr:g} in {args.warmup_steps} step"
               f"{'s' if args.warmup_steps > 1 else ''}, then a cosine down to "
               f"{args.lr / 10:g} at step {args.decay_steps} | weight decay 0.1 on the matrices | "
@@ -431,8 +446,11 @@ def main(argv: list[str] | None = None) -> None:
         # Every process group, from one grid (grid.py): a stage of the pipeline is a dp x cp x tp block of consecutive
         # ranks, tp innermost; the ep groups are runs of its dp x cp ranks.
         grid = Grid({"pp": args.pp, "dp": dp, "cp": args.cp, "tp": args.tp}, args.ep, device, args.timeout)
-        cp = ContextParallel(grid.group("cp"), args.cp_impl, zigzag=not args.no_zigzag)
-        pipe = Pipeline(grid.group("pp"), args.width, DTYPES[args.dtype])
+        # --sp: every cp share split again over tp (its length a multiple of tp: evaluate's padding), and what the
+        # stages pass on, the residual stream, too
+        split = args.tp if args.sp else 1
+        cp = ContextParallel(grid.group("cp"), args.cp_impl, zigzag=not args.no_zigzag, split=split)
+        pipe = Pipeline(grid.group("pp"), args.width, DTYPES[args.dtype], split)
         ep = ExpertParallel(grid.group("ep"), grid.group("ep_replicas"), device)
         train(rank, world_size, device, args, grid, cp, ep, pipe, snapshot)
     except RuntimeError as e:  # gloo raises a peer's death or stall here, as a timeout or a closed connection

@@ -518,8 +518,8 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
                   ("--sample", "x"): "--sample", ("--clip", "-1"): "--clip", ("--warmup-steps", "0"): "--warmup-steps",
                   ("--decay-steps", "0"): "--decay-steps",
                   ("--warmup-steps", "20", "--max-steps", "10"): "--warmup-steps"}  # a warm-up past the decay's end
-    if stage == "11_gpt":  # --sp splits the sequence over tp: without --tp (here 1) there is nothing to split it over
-        table |= {("--sp",): "--sp"}
+    if stage in ("11_gpt", CP_STAGE, PP_STAGE, EP_STAGE):  # --sp splits the sequence over tp: without --tp (here 1)
+        table |= {("--sp",): "--sp"}  # there is nothing to split it over
     if stage == "11_gpt":  # HSDP: FSDP2's replicas (here with DDP, and in a world of 1)
         table |= {("--replicate", "0"): "--replicate", ("--replicate", "x"): "--replicate",
                   ("--replicate", "2"): "--replicate"}

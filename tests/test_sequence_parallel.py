@@ -13,6 +13,11 @@ and without --sp, against this rank's one-process step (same gradients); every c
 - the logits are never gathered: no collective of [b t, vocab]; the loss all-reduces [b t] numbers;
 - the activations one block keeps for backward, counted (saved_tensors_hooks) against kept_formula.
 In this process: --sp without --tp, or with a context tp does not divide, refused in one line (test_gpt.refusal).
+
+Stages 12-14, launched, one 4-rank run each against one process (is_one_process; -s prints each row's gaps):
+12 --cp 2 --tp 2 --sp (a cp share split again over tp), 13 --pp 2 --tp 2 --sp with 2 micro-batches (the stages pass
+[b, t/tp, w]; the schedule's step under loss_parallel), 14 dp 2 x tp 2 --sp --ep 2 (each tp rank routes its own
+tokens; the experts' load and balancing loss, step by step, one process's too).
 """
 from __future__ import annotations
 
@@ -227,6 +232,7 @@ def is_one_process(name: str, run: Run, one: Run) -> None:
     and the saved model, within TOL."""
     assert "--sp" in run.stdout
     found, shared = gaps(run, one)
+    print(f"\n| {name} | {found['state']:.1e} | {found['losses']:.1e} | {found['grad_norms']:.1e} |")  # (-s: the rows)
     assert shared == [0, 3] and max(found.values()) <= TOL, f"{name} --sp vs one process: {found}"
     # evaluation and sampling (padded, the logits gathered) and the saved model (full_model) work under --sp
     assert abs(run.summary["eval_loss"] - one.summary["eval_loss"]) <= TOL and run.summary["eval_count"] == \
@@ -238,10 +244,10 @@ def is_one_process(name: str, run: Run, one: Run) -> None:
 
 
 # ─── Stages 12-14: --sp beside cp, pp and the experts, launched, against one process ──────────────────────────────
-# One 4-rank run a stage, on the first 100,000 characters of the text (a held-out tenth of 10,000: evaluation is most
+# One 4-rank run a stage, on the first 30,000 characters of the text (a held-out tenth of 3,000: evaluation is most
 # of a tiny run's time), each against one process of the same data: stage 11's for 12 and 13 (the same GPT, drawn
 # alike), stage 14's own for its experts.
-SMALL = 100_000
+SMALL = 30_000
 
 
 def later(stage: str, nproc: int, data: Path, *args: str) -> Step:
@@ -257,15 +263,26 @@ def later_runs(tmp_path_factory) -> dict[str, Run]:
         "cp2tp2": [later("12_context_parallel", 4, data, "--parallel", "fsdp", "--cp", "2", "--tp", "2", "--sp")],
         "pp2tp2": [later("13_pipeline_4d", 4, data, "--parallel", "fsdp", "--pp", "2", "--tp", "2", "--sp",
                          "--accumulate", "2", "--batch-size", "2")],  # 2 micro-batches through the 2 stages
+        # dp 2 x tp 2, the experts shared out over the dp ranks (ep 2): each tp rank routes its own tokens
+        "ep2tp2": [later("14_experts", 4, data, "--parallel", "fsdp", "--tp", "2", "--sp", "--ep", "2",
+                         "--batch-size", "2")],
         "one": [later("11_gpt", 1, data)],
+        "one_experts": [later("14_experts", 1, data)],
     }
     return run_chains(chains, tmp)
 
 
 @pytest.mark.parametrize("name, reference, layout", [
     ("cp2tp2", "one", {"cp": 2, "tp": 2, "world_size": 4}),
-    ("pp2tp2", "one", {"pp": 2, "tp": 2, "world_size": 4, "accumulate": 2})])
+    ("pp2tp2", "one", {"pp": 2, "tp": 2, "world_size": 4, "accumulate": 2}),
+    ("ep2tp2", "one_experts", {"dp": 2, "tp": 2, "world_size": 4})])
 def test_sp_beside_cp_pp_and_experts_is_one_process(later_runs, name, reference, layout):
     run = later_runs[name]
     assert {k: run.summary[k] for k in (*layout, "sp")} == {**layout, "sp": True}
     is_one_process(name, run, later_runs[reference])
+    if "experts" in run.summary:  # every expert's tokens, summed over the tp ranks that routed them, and the
+        # balancing loss (its load counted over dp x tp), step by step, as one process's
+        mine, theirs = run.summary["experts"], later_runs[reference].summary["experts"]
+        assert (mine["ep"], mine["load"]) == (2, theirs["load"]), (mine["load"], theirs["load"])
+        assert max(abs(a - b) for a, b in zip(mine["aux_losses"], theirs["aux_losses"], strict=True)) <= TOL, \
+            (mine["aux_losses"], theirs["aux_losses"])
