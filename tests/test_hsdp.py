@@ -17,12 +17,14 @@ all_gather_single, reduce_scatter_single, all_reduce, wrapped), by op, size and 
 All within 5% of those formulas (FSDP2 pads each weight's first dimension to a multiple of S).
 In this process: R below 1, R > 1 with --parallel ddp, R not dividing dp refused in one line (test_gpt.refusal).
 
-`python tests/test_hsdp.py` prints the forked counts as 11_gpt/README's table shows them.
+`python tests/test_hsdp.py` prints the forked counts as 11_gpt/README's table shows them, and a test checks that the
+table holds them.
 """
 from __future__ import annotations
 
 import inspect
 import json
+import re
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
@@ -34,7 +36,7 @@ import torch
 import torch._dynamo  # noqa: F401  (once, before forked_ranks forks: else each rank's first step imports it)
 from test_sequence_parallel import B, H, T, V, W, one_step, step
 
-from harness import Run, forked_ranks, load_stage, run_chains, tolerance
+from harness import ROOT, Run, forked_ranks, load_stage, run_chains, tolerance
 from test_gpt import gaps, refusal, refused_in_one_line
 
 TOL = tolerance("float64")
@@ -181,18 +183,38 @@ def test_each_rank_holds_a_shard_group_s_share_of_the_state(runs, name, shard):
         f"{name}: state per rank {state} bytes, the formula 32 x {parameters} / {shard} = {expected:.0f}"
 
 
-if __name__ == "__main__":  # the README's table: the forked counts, in bytes a rank moves
+def table(found: dict) -> dict[str, list[int]]:
+    """11_gpt/README's HSDP table from rank 0's counts: bytes held (the state, 4 x 8 a shard's element), or received
+    (a gather's or scatter's elements x (S - 1)/S x 8, a ring all-reduce's x 2 (R - 1)/R x 8), HSDP's then FSDP2's."""
+    rows: dict[str, list[int]] = {"state": [], "gathers": [], "scatters": [], "across": []}
+    for layout in ("R2", "R1"):
+        s, counts = found[layout]["S"], traffic(found, layout)
+        r = WORLD // s
+        rows["state"].append(32 * found[layout]["held"])
+        rows["gathers"].append(8 * counts["gather"] * (s - 1) // s)
+        rows["scatters"].append(8 * counts["scatter"] * (s - 1) // s)
+        rows["across"].append(8 * counts["across"] * 2 * (r - 1) // r)
+    return rows
+
+
+def test_the_readme_table_is_these_counts(forked):
+    text = (ROOT / "11_gpt" / "README.md").read_text()
+    shown = {key: re.search(rf"^\| {re.escape(start)} \| ([\d,]+) \| ([\d,]+|none) \|", text, re.M)
+             for key, start in (("state", "state: weights, gradients, AdamW's moments"),
+                                ("gathers", "all-gathers in the shard group"),
+                                ("scatters", "reduce-scatters in the shard group"),
+                                ("across", "all-reduce across the replicas"))}
+    assert all(shown.values()), shown
+    found = {key: [0 if n == "none" else int(n.replace(",", "")) for n in m.groups()] for key, m in shown.items()}
+    assert found == table(forked[0]), (found, table(forked[0]))
+
+
+if __name__ == "__main__":  # the README's table: the forked counts, in bytes rank 0 holds or receives
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(hsdp_worker, args=(WORLD, str(Path(tmp) / "store"), tmp), nprocs=WORLD,
                            start_method="fork")
         found = json.loads((Path(tmp) / "rank0.json").read_text())
-    p = found["parameters"]
     print(f"one step, 4 ranks, {found['parameters']:,} parameters (float64); rank 0, bytes it holds or receives:")
-    for layout, name in (("R2", "HSDP, R 2 x S 2"), ("R1", "FSDP2, S 4")):
-        s, counts, held = found[layout]["S"], traffic(found, layout), found[layout]["held"]
-        r = WORLD // s
-        print(f"{name}: state {32 * held:,} (weights, gradients, 2 moments) | all-gathers in the shard group "
-              f"{8 * counts['gather'] * (s - 1) // s:,} | reduce-scatters {8 * counts['scatter'] * (s - 1) // s:,} | "
-              f"all-reduce across replicas {8 * counts['across'] * 2 * (r - 1) // r:,} ({counts['across']:,} "
-              f"elements)")
+    for i, name in enumerate(("HSDP, R 2 x S 2", "FSDP2, S 4")):
+        print(f"{name}: " + " | ".join(f"{key} {values[i]:,}" for key, values in table(found).items()))
