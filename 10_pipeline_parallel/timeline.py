@@ -53,9 +53,9 @@ def readme_table(path: Path) -> str:
     return "\n".join(rows)
 
 
-def draw(runs: list[dict], path: Path) -> None:
+def draw(runs: list[dict], path: Path | None = None):
     """One panel per run, one row per rank: each computation a box at its measured start and end, labelled with
-    its micro-batch (and its stage where a rank holds several)."""
+    its micro-batch (and its stage where a rank holds several). Saved to `path` if given; the figure is returned."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -77,7 +77,9 @@ def draw(runs: list[dict], path: Path) -> None:
     axes[-1, 0].set_xlabel("ms since the step's first computation (blue F, orange B, green W; hatched: a rank's "
                            "second stage)")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    if path is not None:
+        fig.savefig(path, dpi=100)
+    return fig
 
 
 def main() -> None:

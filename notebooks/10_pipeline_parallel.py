@@ -30,6 +30,9 @@
 # micro-batches' forwards and backwards by a `--schedule`: GPipe or 1F1B.
 
 # %%
+import json
+import runpy
+
 import matplotlib.pyplot as plt
 import nbtools as nb
 import torch
@@ -387,6 +390,36 @@ assert played_1f1b["peak_held"] == [pp - st for st in range(pp)], played_1f1b["p
 # Here a micro-batch's activations are 16 × 64 numbers, and holding 4 instead of 2 costs nothing.
 # In a large model they are what fills the memory, and M is what shrinks the bubble: 1F1B is what
 # lets M grow.
+#
+# ## Smaller bubbles: interleaved 1F1B and ZB-H1, as they ran
+#
+# `schedules.py` adds the two schedules large runs use. **Interleaved 1F1B** gives each rank v
+# stages, placed round-robin (rank r holds r, r + P, …): filling and draining the pipeline costs 1/v
+# as much, a bubble of (P − 1)/(v·M + P − 1). **ZB-H1** splits each backward into B, the gradient of
+# the stage's input, sent at once, and W, the weights' gradients, run later where the rank would
+# wait: with F, B and W equally long, (P − 1)/(3M + P − 1). It runs them beside GPipe and 1F1B on a
+# deeper MLP (8 Linear layers), each from the same weights, and records every computation: rank,
+# stage, micro-batch, kind, start, end. One step of each at P = 2, M = 4, drawn by `timeline.py`
+# from that record. The layers here are small, so messages and Python weigh as much as the compute
+# and the measured bubble sits above the formula's; the order on each rank and the activations held
+# are the schedule's.
+
+# %%
+sched_dir = nb.ROOT / "10_pipeline_parallel"
+sched_step = nb.Step("10_pipeline_parallel", "torchrun", ("--microbatches", "4", "--steps", "1"), nproc=2)
+sched_run = nb.run(sched_step.commands(out=nb.RUNS / "10_schedules", script=sched_dir / "schedules.py"), "10_schedules")
+print(sched_run.stdout.strip())
+record = json.loads((sched_run.out / "schedules.json").read_text())
+held = {r["schedule"]: r["peak_held"] for r in record}
+assert held == {"gpipe": [4, 4], "1f1b": [2, 1], "interleaved": [5, 3], "zbh1": [2, 2]}, held
+timeline = runpy.run_path(str(sched_dir / "timeline.py"))  # its functions, by name
+nb.show(timeline["draw"](record))
+
+# %% [markdown]
+# Interleaved's rank 0 holds 5 (stage, micro-batch) activations at its peak, each half its layers:
+# 2.5 ranks' worth against 1F1B's 2. ZB-H1's ranks hold 2 each: a micro-batch's activations stay
+# until its W, and rank 1 runs each W one backward late. `tests/test_pipeline_schedules.py` checks
+# every schedule against one process's training and each rank's order against the schedule's table.
 #
 # ## Also in the stage, not run here
 #
