@@ -69,7 +69,8 @@ class Layout:
     micro_batch: int = 1  # sequences per micro-batch per dp rank
     accumulate: int = 1  # micro-batches per step (under pp: the pipeline's)
     schedule: str = "1f1b"  # the pipeline's: "1f1b" or "gpipe" (the stages' two)
-    checkpointing: bool = False  # activation checkpointing: each block keeps its input only, recomputes the rest
+    ac: str = "none"  # activation checkpointing (the stages' --ac): "full", each block keeps its input alone and
+    #                   recomputes the rest in backward; "selective", it keeps its matmuls' and attention's outputs too
     precision: str = "float32"  # "float32": everything (the stages' default); "bf16": compute and activations in
     #                             bfloat16, the weights, gradients and AdamW's moments float32 (the stages' --amp bf16)
 
@@ -84,7 +85,7 @@ class Layout:
     def describe(self) -> str:
         dims = " x ".join(f"{d} {getattr(self, d)}" for d in ("dp", "tp", "pp", "cp", "ep") if getattr(self, d) > 1)
         return f"{dims or 'one rank'} {self.parallel}, micro-batch {self.micro_batch} x {self.accumulate}" + \
-            (", checkpointing" if self.checkpointing else "")
+            (f", --ac {self.ac}" if self.ac != "none" else "")
 
 
 # ─── Parameters: the tensors each rank holds ───────────────────────────────────────────────────────────────────────
@@ -178,6 +179,7 @@ def ring(kind: str, n: int) -> float:
 
 def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
     """One rank of pipeline stage `stage`: its state, activation peak, bytes sent and FLOPs in one step."""
+    check_ac(m, lay)
     first, last = stage == 0, stage == lay.pp - 1
     n = lay.dp_cp  # the ranks that hold copies (DDP) or shards (FSDP2) of the same weights
     blocks = stage_blocks(m.layers, lay.pp, stage)
@@ -239,14 +241,18 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
     if own and lay.dp_cp // lay.ep > 1:  # stage 14: the experts' gradients all-reduced over their replicas
         add("all_reduce", "ep_replicas", blocks * len(own), own_elems / len(own) * f4,
             ring("all_reduce", lay.dp_cp // lay.ep))
-    if lay.tp > 1:  # per block and micro-batch: two all-reduces forward, four backward (TP_PLAN); experts: 1 + 3
-        per = 6 if not m.experts else 4
+    if lay.tp > 1:  # per block and micro-batch: two all-reduces forward, four backward (TP_PLAN); experts: 1 + 3.
+        # --ac full reruns the forward in backward up to the MLP's last matmul (torch's checkpoint stops there): the
+        # attention's row-wise all-reduce once more. (selective keeps the all-reduce's output: KEEP.)
+        per = (6 if not m.experts else 4) + (lay.ac == "full")
         add("all_reduce", "tp", blocks * acc * per, stream * act, ring("all_reduce", lay.tp))
     if lay.cp > 1:  # the ring (context_parallel.py): forward, keys and values each hop but the last; backward, the
         # same, and their gradient (float32 at least) every hop
         kv = 2 * tokens * m.kv_heads * m.head_size // lay.tp
         for kind, factor in (("send", 1), ("recv", 0)):  # (a receive sends nothing: counted by its calls)
-            add(kind, "cp", blocks * acc * 2 * (lay.cp - 1), kv * act, factor)
+            # (--ac full reruns the forward's hops in backward: RingAttention is one autograd Function, recomputed
+            # whole)
+            add(kind, "cp", blocks * acc * (2 + (lay.ac == "full")) * (lay.cp - 1), kv * act, factor)
             add(kind, "cp", blocks * acc * lay.cp, kv * max(act, 4), factor)
     if lay.pp > 1:  # the residual stream forward to the next stage, its gradient back to the previous one
         for kind, factor in (("send", 1), ("recv", 0)):
@@ -269,17 +275,15 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
 
     # ── activations ── (per block and micro-batch, in units of the residual stream: Korthikanti et al. 2022's count,
     # redone for this code: no dropout, attention by a fused kernel that keeps no score matrix)
-    if lay.checkpointing:
-        saved_block = stream * act  # its input
-    else:
-        saved_block = stream * act * block_activation_units(m, lay.tp)
+    kept = block_kept_units(m, lay.tp, lay.ac)
+    saved_block = stream * act * kept
     if lay.pp > 1:
         in_flight = acc if lay.schedule == "gpipe" else min(acc, lay.pp - stage)
     else:
         in_flight = 1
     peak = in_flight * blocks * saved_block
-    if lay.checkpointing:  # one block's activations recomputed for its backward
-        peak += stream * act * block_activation_units(m, lay.tp)
+    # A checkpointed block's backward first rebuilds what it did not keep: one block's worth, beside the rest.
+    peak += stream * act * block_recomputed_units(m, lay.tp, lay.ac)
     if last:  # the final norm's and the head's inputs; the loss's backward: log-softmax's output, the gradient it
         # receives and the one it makes, three [tokens, vocab] in float32. Under a pipeline the loss is computed as
         # each micro-batch's forward ends, and torch's stage keeps its output, the logits, for its backward: two
@@ -304,7 +308,7 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
                    2 * root_elems * g + (full * f4 if acc > 1 and lay.pp == 1 else 0))
     # ── FLOPs ── (FlopCounterMode's: a matmul 2mnk forward, twice that backward; attention the whole score matrix)
     flops = model_flops(m, lay, blocks, first, last)
-    recompute = flops_forward_blocks(m, lay, blocks) if lay.checkpointing else 0.0
+    recompute = recomputed_flops(m, lay, blocks)
     return Rank(state_params, state_grads, optimizer, int(peak), sent, flops, recompute)
 
 
@@ -323,6 +327,58 @@ def block_activation_units(m: Model, tp: int) -> float:
     else:
         mlp = 2 * m.ffn / w / tp
     return 4 + attention + mlp
+
+
+def check_ac(m: Model, lay: Layout) -> None:
+    """The --ac settings these formulas do not model, refused (plan.py leaves them out)."""
+    if lay.ac not in ("none", "full", "selective"):
+        raise ValueError(f"--ac {lay.ac}: none, full or selective")
+    if lay.ac != "none" and m.experts:  # (stage 14 checkpoints the attention alone under --ep, and routes again)
+        raise ValueError("activation checkpointing with experts is not modelled")
+    if lay.ac == "selective" and lay.cp > 1:  # the simulation holds far more than kept + recomputed (7,262 MiB
+        # against 4,670 at the tests' 2B shape, DDP cp 2): what SAC keeps inside the ring is not counted here
+        raise ValueError("--ac selective with context parallelism is not modelled")
+
+
+def block_kept_units(m: Model, tp: int, ac: str) -> float:
+    """What a block keeps for its backward under --ac, in units of its input. full: the input alone. selective
+    (parallelize.py KEEP): the input, and the outputs of its matmuls and attention: q, k, v and the attention's
+    (this rank's heads: (2 + 2 kv) / tp), the projection's (whole, its partial sum; under tp its all-reduced sum
+    too), the MLP's inner matmul (ffn / width / tp; SwiGLU's two) and outer one (as the projection). The norms,
+    GELU and the adds are recomputed from those. (At tp 4 and more selective keeps more than none: the row-wise
+    layers' sums are whole on every tp rank, and none keeps neither.)"""
+    if ac == "none":
+        return block_activation_units(m, tp)
+    if m.experts:
+        raise ValueError("activation checkpointing with experts is not modelled")
+    if ac == "full":
+        return 1.0
+    kv = m.kv_heads * m.head_size / m.width
+    rowwise = 2 if tp > 1 else 1  # the row-wise layer's output, and the all-reduce's
+    inner = (2 if m.mlp == "swiglu" else 1) * m.ffn / m.width / tp
+    return 1 + (2 + 2 * kv) / tp + rowwise + inner + rowwise
+
+
+def block_recomputed_units(m: Model, tp: int, ac: str) -> float:
+    """What a checkpointed block rebuilds for its backward, held beside what it kept, in units of its input. full:
+    all it did not keep (its forward but the MLP's output). selective: what KEEP leaves out: the two norms' outputs
+    and the residual sum between attention and MLP (whole on every tp rank: 3), the attention's output reshaped for
+    the projection (1 / tp), GELU's output (ffn / width / tp; SwiGLU's silu(w1 x) and the product: twice that)."""
+    if ac == "none":
+        return 0.0
+    if ac == "full":
+        return block_activation_units(m, tp) - 1
+    return 3 + 1 / tp + (2 if m.mlp == "swiglu" else 1) * m.ffn / m.width / tp
+
+
+def recomputed_flops(m: Model, lay: Layout, blocks: int) -> float:
+    """FLOPs a step spends again in backward: full, a forward of every block but its last matmul (torch's
+    checkpoint stops once it has rebuilt what backward needs, and nothing needs the MLP's output); selective,
+    none (what it recomputes is not a matmul)."""
+    if lay.ac != "full":
+        return 0.0
+    tokens = lay.micro_batch * m.context // lay.cp * lay.accumulate
+    return flops_forward_blocks(m, lay, blocks) - blocks * 2 * tokens * m.width * m.ffn // lay.tp
 
 
 def flops_forward_blocks(m: Model, lay: Layout, blocks: int) -> float:

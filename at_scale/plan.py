@@ -3,12 +3,13 @@
     python at_scale/plan.py --model llama3-8b --gpus 8 --gpu h100 --context 8192 --global-batch-tokens 1048576
 
 For every way to split the job (dp x tp x pp x cp, ep for experts; DDP, ZeRO-1, ZeRO-2 or FSDP over the dp x cp ranks;
-the micro-batch; activation checkpointing or not), costs.py counts what each rank holds, sends and computes in a step
-(the formulas simulate.py checks against the stages' own code), and this file turns them into memory per GPU and time
-per step on the GPUs of hardware.py (each figure there with its source; nothing fitted to the runs it is checked
-against). A layout fits if its busiest rank's state and activation peak fit in the GPU's memory. Step time:
+the micro-batch; activation checkpointing none, full or selective), costs.py counts what each rank holds, sends and
+computes in a step (the formulas simulate.py checks against the stages' own code), and this file turns them into
+memory per GPU and time per step on the GPUs of hardware.py (each figure there with its source; nothing fitted to
+the runs it is checked against). A layout fits if its busiest rank's state and activation peak fit in the GPU's
+memory. Step time:
 
-- compute: the rank's FLOPs (and, checkpointing, the forward again) at the matmul rate the GPU reaches;
+- compute: the rank's FLOPs (and what --ac full computes again) at the matmul rate the GPU reaches;
 - tp, ep: exposed (the next matmul needs the result); cp's ring: hidden behind the attention beside it;
 - dp x cp (DDP's all-reduce, ZeRO's and FSDP's all-gathers and reduce-scatters): hidden behind the compute, but the
   first gather and the last reduce;
@@ -34,6 +35,7 @@ from costs import Layout, Model  # noqa: E402
 from tools.cli import ArgumentParser, positive, print_table  # noqa: E402
 
 PARALLEL = ("ddp", "zero1", "zero2", "fsdp")
+AC = ("none", "full", "selective")  # activation checkpointing, as the stages' --ac
 MICRO_BATCHES = (1, 2, 4, 8)
 
 
@@ -189,9 +191,11 @@ def layouts(m: Model, gpus: int, gpus_per_node: int, sequences: int, fixed: dict
                             if parallel == "ddp" and (pp > 1 or tp > 1) or \
                                     parallel in ("zero1", "zero2") and dp != gpus:
                                 continue  # the stages split layers (tp, pp) under FSDP2; zero_by_hand is dp alone
-                            for ckpt in (False, True):
+                            for ac in AC if not m.experts else ("none",):  # (not modelled with experts)
+                                if ac == "selective" and cp > 1:
+                                    continue  # not modelled (costs.check_ac)
                                 lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, parallel=parallel, micro_batch=mb,
-                                             accumulate=acc, checkpointing=ckpt, precision="bf16")
+                                             accumulate=acc, ac=ac, precision="bf16")
                                 if all(getattr(lay, k) == v for k, v in fixed.items()):
                                     out.append(lay)
     return out
@@ -208,16 +212,19 @@ def plan(m: Model, gpus: int, gpu: hardware.GPU, gpus_per_node: int, batch_token
 
 def llama3_rows() -> list[str]:
     """at_scale/README.md's table: each of Llama 3 405B's published layouts (hardware.LLAMA3_405B_RUNS), micro-batch
-    1 under FSDP, predicted by the planner (with activation checkpointing: none fits without)."""
+    1 under FSDP, predicted by the planner with the least recomputation that fits (--ac none, else selective, else
+    full: what a run would choose)."""
     out = []
     for run in hardware.LLAMA3_405B_RUNS:
         m = replace(costs.PRESETS["llama3-405b"], context=run.sequence)
-        fixed = dict(tp=run.tp, pp=run.pp, cp=run.cp, dp=run.dp, micro_batch=1, parallel="fsdp", checkpointing=True)
-        p = plan(m, run.gpus, hardware.GPUS["h100"], 8, run.tokens_per_batch, fixed)[0]
+        fixed = dict(tp=run.tp, pp=run.pp, cp=run.cp, dp=run.dp, micro_batch=1, parallel="fsdp")
+        preds = [p for ac in ("none", "selective", "full")
+                 for p in plan(m, run.gpus, hardware.GPUS["h100"], 8, run.tokens_per_batch, {**fixed, "ac": ac})]
+        p = next((p for p in preds if p.fits), preds[-1])
         out.append(f"| {run.gpus:,} | {run.tp} | {run.cp} | {run.pp} | {run.dp} | {run.sequence:,} | "
                    f"{run.flops_per_gpu / 1e12:.0f} | {p.flops_per_gpu / 1e12:.0f} "
                    f"({p.flops_per_gpu / run.flops_per_gpu - 1:+.0%}) | "
-                   f"{'yes' if p.fits else 'no'}: {p.memory['total'] / 1e9:.1f} GB, checkpointing |")
+                   f"{'yes' if p.fits else 'no'}: {p.memory['total'] / 1e9:.1f} GB, --ac {p.layout.ac} |")
     return out
 
 
@@ -255,7 +262,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument(f"--{dim}", type=positive(int), help=f"only layouts with this {dim} degree")
     p.add_argument("--parallel", choices=PARALLEL, help="only layouts that hold the state so")
     p.add_argument("--micro-batch", type=positive(int), help="only layouts with this micro-batch")
-    p.add_argument("--checkpointing", choices=["on", "off"], help="only layouts with (or without) it")
+    p.add_argument("--ac", choices=AC, help="only layouts with this activation checkpointing (the stages' --ac)")
     p.add_argument("--show", type=positive(int), default=10, help="rows of the table")
     p.add_argument("--out", type=Path, help="write plan.json (every layout considered) and plan.png here")
     args = p.parse_args(argv)
@@ -282,15 +289,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.check_out_writable(args.out)
     args.fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "parallel", "micro_batch")
                   if getattr(args, k) is not None}
-    if args.checkpointing is not None:
-        args.fixed["checkpointing"] = args.checkpointing == "on"
+    if args.ac is not None:
+        if args.ac != "none" and args.model_.experts:
+            p.error("argument --ac: activation checkpointing with experts is not modelled; leave --ac out")
+        args.fixed["ac"] = args.ac
     return args
 
 
 def row(p: Prediction) -> list[str]:
     lay, GB = p.layout, 1e9
     return [f"{lay.dp}", f"{lay.tp}", f"{lay.pp}", f"{lay.cp}"] + ([f"{lay.ep}"] if lay.ep > 1 else []) + [
-        lay.parallel, f"{lay.micro_batch} x {lay.accumulate}", "yes" if lay.checkpointing else "no",
+        lay.parallel, f"{lay.micro_batch} x {lay.accumulate}", lay.ac,
         f"{p.memory['total'] / GB:,.1f}", f"{p.seconds['total']:,.2f}", f"{p.tokens_per_s:,.0f}",
         f"{p.flops_per_gpu / 1e12:,.0f}", f"{p.mfu:.0%}"]
 
@@ -350,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
               f"({best.layout.describe()})")
     else:
         head = ["dp", "tp", "pp", "cp"] + (["ep"] if m.experts else []) + [
-            "state", "micro-batch", "ckpt", "GB/GPU", "step s", "tokens/s", "TFLOP/s/GPU", "MFU"]
+            "state", "micro-batch", "ac", "GB/GPU", "step s", "tokens/s", "TFLOP/s/GPU", "MFU"]
         rows = [row(p) for p in fit[:args.show]]
         print_table([head, *rows])
     if args.out is not None:

@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None = None, scratch: Path | None = None) -> ar
     p.add_argument("--pp", type=positive(int), default=1, help="pipeline stages")
     p.add_argument("--cp", type=positive(int), default=1, help="context-parallel degree")
     p.add_argument("--pp-schedule", choices=["gpipe", "1f1b"], default="1f1b", help="the pipeline's schedule")
+    p.add_argument("--ac", choices=["none", "full", "selective"], default="none",
+                   help="activation checkpointing, as the stages' --ac: none, every block (full), or all but its "
+                        "matmuls and attention (selective)")
     p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
                    help="over the dp x cp ranks: a replica each (DDP) or a shard each (FSDP2)")
     p.add_argument("--micro-batch", type=positive(int), default=1, help="sequences per micro-batch per dp rank")
@@ -114,7 +117,7 @@ def stage_args(args: argparse.Namespace, data: Path, p: ArgumentParser) -> argpa
     degree that does not divide the world or the heads, fewer blocks than stages, ...); their line is said here."""
     flags = ["--layers", args.layers, "--width", args.width, "--heads", args.heads, "--context", args.context,
              "--tp", args.tp, "--pp", args.pp, "--pp-schedule", args.pp_schedule, "--cp", args.cp,
-             "--parallel", args.parallel,
+             "--parallel", args.parallel, "--ac", args.ac,
              "--batch-size", args.micro_batch, "--accumulate", args.accumulate, "--device", "cpu", "--sample", "0",
              "--data", data]
     if args.experts is not None:  # stage 14's flags; its checks: k at most E, ep dividing E and the dp x cp ranks

@@ -4,14 +4,15 @@ fits.
 The formulas count, for one rank of a layout, the bytes of its parameters, gradients and AdamW's moments, the bytes it
 sends per collective and per grid dimension, and its activation peak. simulate.py measures the same from the stages'
 own code (stage 13's, stage 14's with experts) on a fake process group. At 1 billion parameters and more, at 64 to
-16,384 ranks, on 11 layouts spanning dp, tp, pp (1F1B and GPipe, first, middle and last stages), cp, ep, DDP and FSDP2:
+16,384 ranks, on 11 layouts spanning dp, tp, pp (1F1B and GPipe, first, middle and last stages), cp, ep, DDP and FSDP2
+(two of them under --ac selective):
 the state agrees exactly (within 1% is asked), every collective's calls exactly and its bytes within 1% (the rows
 that carry the model's tensors, 1 MiB and up; the gradient norm's few numbers by their calls), and the activation peak
 within 10% (the formulas: Korthikanti et al. 2022's count of what a block saves, redone for this code, and what FSDP2,
 DDP and torch's pipeline hold at the step's busiest moment; costs.py says each).
 
-The planner: Llama 3's exact parameter counts; Llama 3 405B's published layouts fit in 80 GB (with activation
-checkpointing: the stages have no sequence parallelism) and do not without it; what cannot work is said: 405B by DDP
+The planner: Llama 3's exact parameter counts; Llama 3 405B's published layouts fit in 80 GB (with --ac full: the
+planner has no sequence parallelism) and do not without it; what cannot work is said: 405B by DDP
 or FSDP alone on 16,384 GPUs at 16M tokens a step (more replicas than sequences), 70B on one node of 8 GPUs (none
 fits).
 """
@@ -35,9 +36,9 @@ SHAPE_2B = (4, 4096, 32, 4096, 128256)  # 1.87 billion parameters
 SHAPE_MOE = (4, 2048, 16, 2048, 50304, 8, 2)  # 1.35 billion, 8 experts a block, 2 a token
 # (4 blocks: each costs the simulation time, not memory; the width, the vocabulary and the context are a real model's.)
 LAYOUTS = [
-    (SHAPE_2B, dict(dp=64), 0),
+    (SHAPE_2B, dict(dp=64, ac="selective"), 0),  # --ac selective: what it keeps and what it recomputes
     (SHAPE_2B, dict(dp=64, parallel="fsdp", accumulate=2), 0),
-    (SHAPE_2B, dict(dp=8, tp=8, parallel="fsdp"), 5),
+    (SHAPE_2B, dict(dp=8, tp=8, parallel="fsdp", ac="selective"), 5),  # at tp 8 it keeps more than none
     (SHAPE_2B, dict(dp=32, tp=8, pp=4, parallel="fsdp", accumulate=8), 0),  # first stage, a block a stage
     (SHAPE_2B, dict(dp=8, tp=4, cp=4, pp=2, parallel="fsdp", accumulate=2, schedule="gpipe"), 255),  # 2 blocks
     (SHAPE_2B, dict(dp=16, tp=2, cp=2, pp=4, parallel="fsdp", accumulate=4), 100),  # a middle stage (pp 1 of 4)
@@ -54,7 +55,7 @@ def flags(shape: tuple, lay, rank: int) -> list[str]:
     out = ["--layers", layers, "--width", width, "--heads", heads, "--context", context, "--vocab", vocab,
            "--world", lay.world, "--tp", lay.tp, "--pp", lay.pp, "--cp", lay.cp, "--parallel", lay.parallel,
            "--micro-batch", lay.micro_batch, "--accumulate", lay.accumulate, "--pp-schedule", lay.schedule,
-           "--rank", rank]
+           "--ac", lay.ac, "--rank", rank]
     if experts:
         out += ["--experts", experts[0], "--top-k", experts[1], "--ep", lay.ep]
     return [str(f) for f in out]
@@ -118,7 +119,8 @@ def test_the_formulas_are_the_simulation(plan, simulated):
 
 def test_a_wrong_formula_is_seen(plan, simulated, monkeypatch):
     """The comparison sees a formula that is off: FSDP2 under a pipeline gathering a block twice a micro-batch (as
-    without one) instead of once a micro-batch and once more; DDP's all-reduce counted as a reduce-scatter's bytes."""
+    without one) instead of once a micro-batch and once more; DDP's all-reduce counted as a reduce-scatter's bytes;
+    --ac selective counted as none (what a block keeps, and nothing rebuilt)."""
     costs = plan.costs
     pipelined = next(i for i, (_, lay, _) in enumerate(LAYOUTS) if lay.get("pp", 1) > 1)
     real = costs.rank_costs
@@ -134,6 +136,11 @@ def test_a_wrong_formula_is_seen(plan, simulated, monkeypatch):
     monkeypatch.setattr(costs, "rank_costs", real)
     shape, layout, rank = LAYOUTS[0]
     assert any("all_reduce" in d for d in differences(costs, shape, layout, rank, simulated[0]))
+    monkeypatch.undo()
+    monkeypatch.setattr(costs, "rank_costs", lambda m, lay, stage=0: real(m, dataclasses.replace(lay, ac="none"),
+                                                                            stage))
+    assert layout.get("ac") == "selective"
+    assert any("activation peak" in d for d in differences(costs, shape, layout, rank, simulated[0]))
 
 
 def test_llama3_presets_have_llama3s_parameters(plan):
@@ -148,14 +155,15 @@ def published(plan, run, **fixed):
 
 
 def test_llama3_405b_published_layouts_fit_with_checkpointing(plan):
-    """Each of Table 4's layouts, micro-batch 1: fits in 80 GB with activation checkpointing, and not without (a block
-    keeps 4 residual-stream-sized tensors whole on every tp rank: no sequence parallelism in the stages)."""
+    """Each of Table 4's layouts, micro-batch 1: fits in 80 GB with --ac full, and not with none (a block keeps 4
+    residual-stream-sized tensors whole on every tp rank: no sequence parallelism in the planner) nor, where it is
+    modelled (cp 1), selective (at tp 8 it keeps as much as none)."""
     for run in plan.hardware.LLAMA3_405B_RUNS:
-        on, off = (published(plan, run, parallel="fsdp", checkpointing=c) for c in (True, False))
-        assert len(on) == len(off) == 1
-        assert on[0].fits and on[0].memory["total"] <= 80e9, (run, on[0].memory)
-        assert not off[0].fits, (run, off[0].memory)
-        assert math.isclose(on[0].layout.accumulate * run.dp * run.sequence, run.tokens_per_batch)
+        full, none, selective = (published(plan, run, parallel="fsdp", ac=ac) for ac in ("full", "none", "selective"))
+        assert len(full) == len(none) == 1 and len(selective) == (run.cp == 1)
+        assert full[0].fits and full[0].memory["total"] <= 80e9, (run, full[0].memory)
+        assert not any(p.fits for p in none + selective), (run, none[0].memory)
+        assert math.isclose(full[0].layout.accumulate * run.dp * run.sequence, run.tokens_per_batch)
 
 
 def test_what_cannot_work_is_said(plan, capsys):
