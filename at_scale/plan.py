@@ -292,6 +292,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.ac is not None:
         if args.ac != "none" and args.model_.experts:
             p.error("argument --ac: activation checkpointing with experts is not modelled; leave --ac out")
+        if args.ac == "selective" and (args.cp or 1) > 1:
+            p.error("argument --ac: selective with context parallelism (--cp) is not modelled (costs.check_ac)")
         args.fixed["ac"] = args.ac
     return args
 

@@ -75,8 +75,9 @@ examples = {"DDP, dp 64": costs.Layout(dp=64, parallel="ddp"),
             "FSDP, dp 8 x tp 8": costs.Layout(dp=8, tp=8, parallel="fsdp"),
             "FSDP, dp 2 x tp 4 x pp 8, 8 micro-batches": costs.Layout(dp=2, tp=4, pp=8, parallel="fsdp",
                                                                         accumulate=8),
-            "the same, checkpointing": costs.Layout(dp=2, tp=4, pp=8, parallel="fsdp", accumulate=8,
-                                                    checkpointing=True)}
+            "the same, --ac selective": costs.Layout(dp=2, tp=4, pp=8, parallel="fsdp", accumulate=8,
+                                                     ac="selective"),
+            "the same, --ac full": costs.Layout(dp=2, tp=4, pp=8, parallel="fsdp", accumulate=8, ac="full")}
 examples = {k: dataclasses.replace(v, precision="bf16") for k, v in examples.items()}
 preds = {name: plan.predict(llama70, lay, h100) for name, lay in examples.items()}
 fig, ax = plt.subplots(figsize=(9, 3.2))

@@ -643,7 +643,7 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
                       (*PLAN, "--pp", "64", "--gpus", "64"): "--pp",  # 32 blocks
                       (*PLAN, "--cp", "3"): "--cp", (*PLAN, "--ep", "2"): "--ep",  # no experts
                       ("--parallel", "zero4"): "--parallel", ("--micro-batch", "0"): "--micro-batch",
-                      ("--checkpointing", "some"): "--checkpointing", ("--show", "0"): "--show",
+                      ("--ac", "some"): "--ac", ("--show", "0"): "--show",
                       ("--gpus", "8", "--global-batch-tokens", "65536", "--layers", "2"): "--model",  # no width, heads
                       (*PLAN, "--out", "{file}/sub"): "--out"},
     # Without --measure it reads its measurements from --out: a folder without them is refused.
