@@ -5,10 +5,12 @@ The world's ranks fill a grid dp x tp, tp the innermost: rank = dp_i * tp + tp_i
 A process group is a line of that grid, the ranks that differ in some coordinates only: a tp group is tp consecutive
 ranks (one node: its all-reduces, one per block and direction, are the most frequent traffic); a dp group, the ranks at
 the same place of every row (they hold the same slices); a shard group, S consecutive rows of it, a replicate group the
-rows at the same place of every shard group. Rank 0 prints the layout at start-up (`describe`)."""
+rows at the same place of every shard group. Rank 0 prints the layout at start-up (`describe`).
+`ddp_setup` first joins the world, the group they are all made from."""
 from __future__ import annotations
 
 import math
+import os
 from datetime import timedelta
 
 import torch
@@ -75,3 +77,27 @@ class Grid:
                 shown = " ".join(map(str, lines[:4])) + (f" ... ({len(lines)} groups)" if len(lines) > 4 else "")
                 out.append(f"  {name:<11} {ROLES[name]}: {shown}")
         return "\n".join(out)
+
+
+def restart_safe_store(timeout: float) -> dist.Store | None:
+    """torchrun's store, with a key prefix of its own for each restart of the group: torchrun keeps one store across
+    restarts, while torch assumes a fresh one per attempt (pytorch/pytorch#135712), so restarted workers could read the
+    previous attempt's addresses and fail ("Gloo connectFullMesh failed ... Connection refused") or hang."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None  # not under torchrun's agent: init_process_group makes its own store
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=timeout))
+    return dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+
+
+def ddp_setup(ddp: bool, device: torch.device, timeout: float) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before any CUDA work, or every rank also allocates on GPU 0
+    # (torchrun already set OMP_NUM_THREADS=1, so the ranks do not oversubscribe the CPU cores.)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if ddp:  # sync point: init reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from torchrun's env
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout), store=restart_safe_store(timeout),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    else:  # plain `python train.py`: a group of one, kept in memory, so the rest runs unchanged
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=timeout))

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from checks import STAGE, schedule
 from evaluate import clock
@@ -30,6 +31,16 @@ def state_at(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> d
                for key in ("exp_avg", "exp_avg_sq")}
     state = {"params": {n: whole(p) for n, p in named}, **moments}
     return {"step": step, **state}
+
+
+def replica_max_abs_diff(model: nn.Module, group: dist.ProcessGroup) -> float:
+    """DDP's replicas over `group` (dp): gather every rank's parameters (with --tp, its own slices, which its dp
+    replicas hold too); return the largest difference from the first's."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    flat = torch.cat([p.detach().flatten() for p in local])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, flat, group=group)
+    return max((g - gathered[0]).abs().max().item() for g in gathered)
 
 
 def peak_memory(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict:

@@ -19,7 +19,6 @@ import os
 import shutil
 import sys
 from contextlib import nullcontext
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -45,7 +44,7 @@ import reports
 from context_parallel import ContextParallel
 from dataset import DATA, Corpus, baselines, batch_of_windows, load_corpus, to_device
 from evaluate import clock, held_out_loss, sample
-from grid import Grid
+from grid import Grid, ddp_setup
 from model import DTYPES, GPT, Config, parameters
 from parallelize import clip_gradients, full_model, parallelize
 from pipeline import SCHEDULES, Pipeline, next_char_loss, pipeline_stage
@@ -255,16 +254,6 @@ class Trainer:
             self.trajectory.append(reports.state_at(self.model, self.optimizer, self.steps, self.pipe))
 
 
-def replica_max_abs_diff(model: nn.Module, group: dist.ProcessGroup) -> float:
-    """DDP's replicas over `group` (dp): gather every rank's parameters (with --tp, its own slices, which its dp
-    replicas hold too); return the largest difference from the first's."""
-    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-    flat = torch.cat([p.detach().flatten() for p in local])
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, flat, group=group)
-    return max((g - gathered[0]).abs().max().item() for g in gathered)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # ArgumentParser and positive() are in checks.py: a bad value is one line of error and exit 2.
     p = checks.ArgumentParser(prog=f"{STAGE}/train.py", description=__doc__.splitlines()[0])
@@ -328,30 +317,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return checks.check_gpt_args(p, checks.check_checkpoint_arg(p, checks.check_args(p, args)))
 
 
-def restart_safe_store(timeout: float) -> dist.Store | None:
-    """torchrun's store, with a key prefix of its own for each restart of the group: torchrun keeps one store across
-    restarts, while torch assumes a fresh one per attempt (pytorch/pytorch#135712), so restarted workers could read the
-    previous attempt's addresses and fail ("Gloo connectFullMesh failed ... Connection refused") or hang."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None  # not under torchrun's agent: init_process_group makes its own store
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=timeout))
-    return dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
-
-
-def ddp_setup(ddp: bool, device: torch.device, timeout: float) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before any CUDA work, or every rank also allocates on GPU 0
-    # (torchrun already set OMP_NUM_THREADS=1, so the ranks do not oversubscribe the CPU cores.)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if ddp:  # sync point: init reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from torchrun's env
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout), store=restart_safe_store(timeout),
-                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    else:  # plain `python train.py`: a group of one, kept in memory, so the rest runs unchanged
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timedelta(seconds=timeout))
-
-
 def train(rank: int, world_size: int, device: torch.device, args: argparse.Namespace, grid: Grid,
           cp: ContextParallel, pipe: Pipeline, snapshot: dict | None) -> None:
     master_process = rank == 0
@@ -396,7 +361,7 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
 
     loss_sum, count = held_out_loss(model, corpus.held_out, cfg.context, grid, cp, pipe, device)
     # DDP's replicas must agree; FSDP has none to compare (each rank holds other shards): no gather of the model.
-    max_diff = replica_max_abs_diff(model, grid.group("dp_cp")) if args.parallel == "ddp" else None
+    max_diff = reports.replica_max_abs_diff(model, grid.group("dp_cp")) if args.parallel == "ddp" else None
     memory = reports.peak_memory(model, optimizer, device)  # every rank's, gathered (reports.py)
     peak = reports.machine_peak(device, args)  # the FLOP/s the MFU is of: measured on a CPU (reports.py)
     text = sample(model, corpus.chars, args.sample, cfg.context, args.seed, cp, pipe, device) if args.sample else ""

@@ -15,7 +15,6 @@ import os
 import shutil
 import sys
 from contextlib import nullcontext
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -42,7 +41,7 @@ from context_parallel import ContextParallel
 from dataset import DATA, Corpus, baselines, batch_of_windows, load_corpus, to_device
 from evaluate import clock, held_out_loss, sample
 from experts import ExpertLog, ExpertParallel, add_expert_flags, describe_experts
-from grid import Grid
+from grid import Grid, ddp_setup
 from model import DTYPES, GPT, Config, parameters
 from parallelize import clip_gradients, full_model, parallelize, replica_max_abs_diff, sum_over_tp
 from pipeline import SCHEDULES, Pipeline, next_char_loss, pipeline_stage
@@ -329,30 +328,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.decay_steps = args.decay_steps or args.max_steps
     args.warmup_steps = args.warmup_steps or max(1, args.decay_steps // 20)
     return checks.check_gpt_args(p, checks.check_checkpoint_arg(p, checks.check_args(p, args)))
-
-
-def restart_safe_store(timeout: float) -> dist.Store | None:
-    """torchrun's store, with a key prefix of its own for each restart of the group: torchrun keeps one store across
-    restarts, while torch assumes a fresh one per attempt (pytorch/pytorch#135712), so restarted workers could read the
-    previous attempt's addresses and fail ("Gloo connectFullMesh failed ... Connection refused") or hang."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None  # not under torchrun's agent: init_process_group makes its own store
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=timeout))
-    return dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
-
-
-def ddp_setup(ddp: bool, device: torch.device, timeout: float) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before any CUDA work, or every rank also allocates on GPU 0
-    # (torchrun already set OMP_NUM_THREADS=1, so the ranks do not oversubscribe the CPU cores.)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if ddp:  # sync point: init reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from torchrun's env
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout), store=restart_safe_store(timeout),
-                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    else:  # plain `python train.py`: a group of one, kept in memory, so the rest runs unchanged
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timedelta(seconds=timeout))
 
 
 def train(rank: int, world_size: int, device: torch.device, args: argparse.Namespace, grid: Grid,
