@@ -283,7 +283,14 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         in_flight = 1
     peak = in_flight * blocks * saved_block
     # A checkpointed block's backward first rebuilds what it did not keep: one block's worth, beside the rest.
-    peak += stream * act * block_recomputed_units(m, lay.tp, lay.ac)
+    rebuilt = stream * act * block_recomputed_units(m, lay.tp, lay.ac)
+    if lay.ac == "full":  # and it starts at the MLP's last matmul: beside the rebuilt block, the gradient arriving,
+        # the one made for the matmul's input (ffn / width / tp) and its weight's (ffn x width / tp; under FSDP2 the
+        # unit's whole gradient, counted below)
+        rebuilt += stream * act * (1 + m.ffn / m.width / lay.tp)
+        if not (lay.parallel == "fsdp" and n > 1):
+            rebuilt += m.ffn * m.width // lay.tp * act
+    last_terms = 0
     if last:  # the final norm's and the head's inputs; the loss's backward: log-softmax's output, the gradient it
         # receives and the one it makes, three [tokens, vocab] in float32. Under a pipeline the loss is computed as
         # each micro-batch's forward ends, and torch's stage keeps its output, the logits, for its backward: two
@@ -293,7 +300,9 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         if lay.parallel != "fsdp":  # or, later, the head's backward: the logits' gradient, and the head's weight
             # gradient made whole before DDP copies it into its bucket (float32)
             loss = max(loss, tokens * v * 4 + v * m.width * 4)
-        peak += 2 * stream * act + loss
+        last_terms = 2 * stream * act + loss
+    # --ac full: the loss's tensors are gone when the last block's backward rebuilds it; else both are counted
+    peak += max(rebuilt, last_terms) if lay.ac == "full" else rebuilt + last_terms
     if lay.parallel == "fsdp" and n > 1:
         g = BYTES[gathered]
         # The peak is at the start of the backward: the root gathered (kept from forward to backward), the block at
@@ -336,7 +345,7 @@ def check_ac(m: Model, lay: Layout) -> None:
     if lay.ac != "none" and m.experts:  # (stage 14 checkpoints the attention alone under --ep, and routes again)
         raise ValueError("activation checkpointing with experts is not modelled")
     if lay.ac == "selective" and lay.cp > 1:  # the simulation holds far more than kept + recomputed (7,262 MiB
-        # against 4,670 at the tests' 2B shape, DDP cp 2): what SAC keeps inside the ring is not counted here
+        # against 4,734 at the tests' 2B shape, DDP cp 2): what SAC keeps inside the ring is not counted here
         raise ValueError("--ac selective with context parallelism is not modelled")
 
 

@@ -584,6 +584,11 @@ def measured_step(args: argparse.Namespace, fake: bool, even: bool) -> dict:
         counted = optimizer.register_step_post_hook(lambda opt, *_: state.update(state_of(model, opt)))
         collectives, tracker = Collectives(grid), memory_tracker(model, optimizer)
         flops = FlopCounterMode(display=False, custom_mapping=cpu_attention_flops())
+        # Its ModuleTracker hooks every module's outputs and keeps the hooks until it exits: under --ac, what a block
+        # recomputes in backward would stay held to the end of the step (that graph is never run back), and the
+        # memory tracker would count it. Only the total is read: the FLOPs counted under "Global" alone.
+        flops.mod_tracker = contextlib.nullcontext()
+        flops.mod_tracker.parents = {"Global"}
         with flops, tracker, collectives, local_ops_only():
             trainer._run_step()  # the stage's own step: its micro-batches, clipping, AdamW's step, zero_grad
             held = tracker.sample()  # what the step leaves held beyond the state (the pipeline's last outputs)

@@ -5,7 +5,7 @@ The formulas count, for one rank of a layout, the bytes of its parameters, gradi
 sends per collective and per grid dimension, and its activation peak. simulate.py measures the same from the stages'
 own code (stage 13's, stage 14's with experts) on a fake process group. At 1 billion parameters and more, at 64 to
 16,384 ranks, on 11 layouts spanning dp, tp, pp (1F1B and GPipe, first, middle and last stages), cp, ep, DDP and FSDP2
-(two of them under --ac selective):
+(two of them under --ac selective, one under full):
 the state agrees exactly (within 1% is asked), every collective's calls exactly and its bytes within 1% (the rows
 that carry the model's tensors, 1 MiB and up; the gradient norm's few numbers by their calls), and the activation peak
 within 10% (the formulas: Korthikanti et al. 2022's count of what a block saves, redone for this code, and what FSDP2,
@@ -41,7 +41,7 @@ LAYOUTS = [
     (SHAPE_2B, dict(dp=8, tp=8, parallel="fsdp", ac="selective"), 5),  # at tp 8 it keeps more than none
     (SHAPE_2B, dict(dp=32, tp=8, pp=4, parallel="fsdp", accumulate=8), 0),  # first stage, a block a stage
     (SHAPE_2B, dict(dp=8, tp=4, cp=4, pp=2, parallel="fsdp", accumulate=2, schedule="gpipe"), 255),  # 2 blocks
-    (SHAPE_2B, dict(dp=16, tp=2, cp=2, pp=4, parallel="fsdp", accumulate=4), 100),  # a middle stage (pp 1 of 4)
+    (SHAPE_2B, dict(dp=16, tp=2, cp=2, pp=4, parallel="fsdp", accumulate=4, ac="full"), 100),  # a middle stage
     (SHAPE_2B, dict(dp=512, tp=8, pp=4, parallel="fsdp", accumulate=8), 12288),  # 16,384 ranks: last stage, dp 0
     (SHAPE_MOE, dict(dp=64, ep=8, parallel="fsdp"), 0),
     (SHAPE_MOE, dict(dp=16, tp=4, ep=4, pp=2, parallel="fsdp", accumulate=4), 127),
@@ -120,7 +120,8 @@ def test_the_formulas_are_the_simulation(plan, simulated):
 def test_a_wrong_formula_is_seen(plan, simulated, monkeypatch):
     """The comparison sees a formula that is off: FSDP2 under a pipeline gathering a block twice a micro-batch (as
     without one) instead of once a micro-batch and once more; DDP's all-reduce counted as a reduce-scatter's bytes;
-    --ac selective counted as none (what a block keeps, and nothing rebuilt)."""
+    --ac selective counted as none (what a block keeps, and nothing rebuilt); --ac full's recomputation sending
+    nothing."""
     costs = plan.costs
     pipelined = next(i for i, (_, lay, _) in enumerate(LAYOUTS) if lay.get("pp", 1) > 1)
     real = costs.rank_costs
@@ -141,6 +142,13 @@ def test_a_wrong_formula_is_seen(plan, simulated, monkeypatch):
                                                                             stage))
     assert layout.get("ac") == "selective"
     assert any("activation peak" in d for d in differences(costs, shape, layout, rank, simulated[0]))
+    # --ac full without its second forward's traffic: the attention's tp all-reduce and the ring's hops not rerun
+    full = next(i for i, (_, lay, _) in enumerate(LAYOUTS) if lay.get("ac") == "full")
+    monkeypatch.setattr(costs, "rank_costs", lambda m, lay, stage=0: dataclasses.replace(
+        real(m, lay, stage), sent=real(m, dataclasses.replace(lay, ac="none"), stage).sent))
+    shape, layout, rank = LAYOUTS[full]
+    found = differences(costs, shape, layout, rank, simulated[full])
+    assert any("'tp'" in d for d in found) and any("'cp'" in d for d in found), found
 
 
 def test_llama3_presets_have_llama3s_parameters(plan):
