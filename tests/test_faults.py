@@ -623,7 +623,7 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
     "at_scale/simulate": {("--layers", "0"): "--layers", ("--width", "0"): "--width",
                           ("--heads", "3"): "--heads",  # 3 does not divide the width
                           ("--context", "30", "--cp", "2"): "--context",  # zigzag cuts it into 4 chunks
-                          ("--vocab", "0"): "--vocab", ("--world", "0"): "--world",
+                          ("--vocab", "0"): "--vocab", ("--world", "0"): "--world", ("--ac", "some"): "--ac",
                           ("--tp", "2"): "--tp",  # under DDP (tp runs with FSDP2)
                           ("--pp", "3"): "--pp", ("--pp-schedule", "zb"): "--pp-schedule",
                           ("--cp", "3"): "--cp", ("--parallel", "zero"): "--parallel",
