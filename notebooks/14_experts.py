@@ -48,10 +48,10 @@ print("tokens per expert:", torch.bincount(chosen.flatten(), minlength=4).tolist
 E, n = 4, 1000
 even_probs = torch.full((n, E), 1 / E)
 even_chosen = torch.arange(2 * n).remainder(E).view(n, 2)  # every expert equally often
-print(f"even load: {ex14.balance_loss(even_probs, even_chosen, None).item():.3f}")
+print(f"even load: {ex14.balance_loss(even_probs, even_chosen, []).item():.3f}")
 skewed_probs = torch.tensor([0.7, 0.2, 0.05, 0.05]).expand(n, E)
 skewed_chosen = torch.tensor([0, 1]).expand(n, 2)  # experts 0 and 1 take every token
-print(f"two experts take all: {ex14.balance_loss(skewed_probs, skewed_chosen, None).item():.3f}")
+print(f"two experts take all: {ex14.balance_loss(skewed_probs, skewed_chosen, []).item():.3f}")
 
 # %% [markdown]
 # ## Who holds which experts
