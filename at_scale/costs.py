@@ -338,15 +338,25 @@ def block_activation_units(m: Model, tp: int) -> float:
     return 4 + attention + mlp
 
 
+AC = ("none", "full", "selective")  # activation checkpointing, as the stages' --ac
+
+
+def unmodelled_ac(m: Model, ac: str, cp: int) -> str | None:
+    """Why these formulas do not model --ac `ac` for this model at this cp (None: they do). plan.py leaves such
+    layouts out and refuses them as flags; rank_costs raises."""
+    if ac not in AC:
+        return f"--ac {ac}: none, full or selective"
+    if ac != "none" and m.experts:  # (stage 14 checkpoints the attention alone under --ep, and routes again)
+        return "activation checkpointing with experts is not modelled"
+    if ac == "selective" and cp > 1:  # the simulation holds far more than kept + recomputed (7,262 MiB against
+        # 4,734 at the tests' 2B shape, DDP cp 2): what SAC keeps inside the ring is not counted here
+        return "selective with context parallelism (--cp) is not modelled"
+    return None
+
+
 def check_ac(m: Model, lay: Layout) -> None:
-    """The --ac settings these formulas do not model, refused (plan.py leaves them out)."""
-    if lay.ac not in ("none", "full", "selective"):
-        raise ValueError(f"--ac {lay.ac}: none, full or selective")
-    if lay.ac != "none" and m.experts:  # (stage 14 checkpoints the attention alone under --ep, and routes again)
-        raise ValueError("activation checkpointing with experts is not modelled")
-    if lay.ac == "selective" and lay.cp > 1:  # the simulation holds far more than kept + recomputed (7,262 MiB
-        # against 4,734 at the tests' 2B shape, DDP cp 2): what SAC keeps inside the ring is not counted here
-        raise ValueError("--ac selective with context parallelism is not modelled")
+    if (why := unmodelled_ac(m, lay.ac, lay.cp)) is not None:
+        raise ValueError(why)
 
 
 def block_kept_units(m: Model, tp: int, ac: str) -> float:
@@ -358,9 +368,7 @@ def block_kept_units(m: Model, tp: int, ac: str) -> float:
     layers' sums are whole on every tp rank, and none keeps neither.)"""
     if ac == "none":
         return block_activation_units(m, tp)
-    if m.experts:
-        raise ValueError("activation checkpointing with experts is not modelled")
-    if ac == "full":
+    if ac == "full":  # (with experts, not modelled: check_ac)
         return 1.0
     kv = m.kv_heads * m.head_size / m.width
     rowwise = 2 if tp > 1 else 1  # the row-wise layer's output, and the all-reduce's

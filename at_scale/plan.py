@@ -35,7 +35,6 @@ from costs import Layout, Model  # noqa: E402
 from tools.cli import ArgumentParser, positive, print_table  # noqa: E402
 
 PARALLEL = ("ddp", "zero1", "zero2", "fsdp")
-AC = ("none", "full", "selective")  # activation checkpointing, as the stages' --ac
 MICRO_BATCHES = (1, 2, 4, 8)
 
 
@@ -191,9 +190,9 @@ def layouts(m: Model, gpus: int, gpus_per_node: int, sequences: int, fixed: dict
                             if parallel == "ddp" and (pp > 1 or tp > 1) or \
                                     parallel in ("zero1", "zero2") and dp != gpus:
                                 continue  # the stages split layers (tp, pp) under FSDP2; zero_by_hand is dp alone
-                            for ac in AC if not m.experts else ("none",):  # (not modelled with experts)
-                                if ac == "selective" and cp > 1:
-                                    continue  # not modelled (costs.check_ac)
+                            for ac in costs.AC:
+                                if costs.unmodelled_ac(m, ac, cp) is not None:
+                                    continue
                                 lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, parallel=parallel, micro_batch=mb,
                                              accumulate=acc, ac=ac, precision="bf16")
                                 if all(getattr(lay, k) == v for k, v in fixed.items()):
@@ -262,7 +261,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument(f"--{dim}", type=positive(int), help=f"only layouts with this {dim} degree")
     p.add_argument("--parallel", choices=PARALLEL, help="only layouts that hold the state so")
     p.add_argument("--micro-batch", type=positive(int), help="only layouts with this micro-batch")
-    p.add_argument("--ac", choices=AC, help="only layouts with this activation checkpointing (the stages' --ac)")
+    p.add_argument("--ac", choices=costs.AC, help="only layouts with this activation checkpointing (the stages' --ac)")
     p.add_argument("--show", type=positive(int), default=10, help="rows of the table")
     p.add_argument("--out", type=Path, help="write plan.json (every layout considered) and plan.png here")
     args = p.parse_args(argv)
@@ -290,10 +289,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "parallel", "micro_batch")
                   if getattr(args, k) is not None}
     if args.ac is not None:
-        if args.ac != "none" and args.model_.experts:
-            p.error("argument --ac: activation checkpointing with experts is not modelled; leave --ac out")
-        if args.ac == "selective" and (args.cp or 1) > 1:
-            p.error("argument --ac: selective with context parallelism (--cp) is not modelled (costs.check_ac)")
+        if (why := costs.unmodelled_ac(args.model_, args.ac, args.cp or 1)) is not None:
+            p.error(f"argument --ac: {why}; choose another --ac or leave it out (costs.unmodelled_ac)")
         args.fixed["ac"] = args.ac
     return args
 
