@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None = None, scratch: Path | None = None) -> ar
     p.add_argument("--tp", type=positive(int), default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=positive(int), default=1, help="pipeline stages")
     p.add_argument("--cp", type=positive(int), default=1, help="context-parallel degree")
+    p.add_argument("--sp", action="store_true",
+                   help="sequence parallelism, as the stages' --sp (with --tp): the norms, the residual stream and "
+                        "the loss split by sequence over tp")
     p.add_argument("--pp-schedule", choices=["gpipe", "1f1b"], default="1f1b", help="the pipeline's schedule")
     p.add_argument("--ac", choices=["none", "full", "selective"], default="none",
                    help="activation checkpointing, as the stages' --ac: none, every block (full), or all but its "
@@ -119,7 +122,7 @@ def stage_args(args: argparse.Namespace, data: Path, p: ArgumentParser) -> argpa
              "--tp", args.tp, "--pp", args.pp, "--pp-schedule", args.pp_schedule, "--cp", args.cp,
              "--parallel", args.parallel, "--ac", args.ac,
              "--batch-size", args.micro_batch, "--accumulate", args.accumulate, "--device", "cpu", "--sample", "0",
-             "--data", data]
+             "--data", data] + (["--sp"] if args.sp else [])
     if args.experts is not None:  # stage 14's flags; its checks: k at most E, ep dividing E and the dp x cp ranks
         flags += ["--experts", args.experts, "--top-k", args.top_k or 2, "--ep", args.ep or 1]
     err = io.StringIO()
@@ -209,7 +212,8 @@ def simulated(args: argparse.Namespace) -> Iterator[None]:
              mock.patch.object(PipelineScheduleSingle, "_warmup_p2p",
                                on_real_tensors(PipelineScheduleSingle._warmup_p2p)),
              mock.patch.object(PipelineStage, "_recv_meta",
-                               neighbour_sends(args.micro_batch, args.context // args.cp, args.width, torch.float32)),
+                               neighbour_sends(args.micro_batch, args.context // args.cp // (args.tp if args.sp else 1),
+                                               args.width, torch.float32)),
              mock.patch.object(PipelineStage, "_send_meta", lambda *a, **k: None)]
     with contextlib.ExitStack() as stack:
         for shim in shims:
@@ -565,9 +569,10 @@ def measured_step(args: argparse.Namespace, fake: bool, even: bool) -> dict:
     # (and in stage 14, among the ranks that share out the experts: its ExpertParallel, passed on after cp).
     sizes = {"pp": a.pp, "dp": args.world // (a.pp * a.cp * a.tp), "cp": a.cp, "tp": a.tp}
     grid = s.Grid(sizes, a.ep, device, a.timeout) if moe else s.Grid(sizes, device, a.timeout)
-    cp = s.ContextParallel(grid.group("cp"), a.cp_impl, zigzag=not a.no_zigzag)
+    split = a.tp if a.sp else 1  # --sp: each cp share split again over tp, and what the stages pass on too
+    cp = s.ContextParallel(grid.group("cp"), a.cp_impl, zigzag=not a.no_zigzag, split=split)
     ep = [s.ExpertParallel(grid.group("ep"), grid.group("ep_replicas"), device)] if moe else []
-    pipe = s.Pipeline(grid.group("pp"), a.width, s.DTYPES[a.dtype])
+    pipe = s.Pipeline(grid.group("pp"), a.width, s.DTYPES[a.dtype], split)
     corpus = s.load_corpus(a.data)
     routing = even_routing(fake) if moe and even else contextlib.nullcontext()
     with simulated(args) if fake else contextlib.nullcontext(), routing:
@@ -602,7 +607,7 @@ def measured_step(args: argparse.Namespace, fake: bool, even: bool) -> dict:
     return {
         "stage": args.stage_name, "rank": args.rank, "world": args.world, "coords": grid.coords, "sizes": grid.sizes,
         "ep": a.ep if moe else None, "model": cfg._asdict(), "parameters": total, "active_parameters": active,
-        "parallel": a.parallel,
+        "parallel": a.parallel, "sp": a.sp,
         "micro_batch": a.batch_size, "accumulate": a.accumulate, "tokens_per_step": trainer.global_batch * cfg.context,
         "state_bytes": {**state, "total": sum(state.values())},
         "activation_peak_bytes": tracker.transient_peak, "held_after_step_bytes": held,
@@ -618,7 +623,8 @@ def show(result: dict) -> None:
     MiB = 2**20
     m, state = result["model"], result["state_bytes"]
     print(f"[{result['stage']}] rank {result['rank']} of {result['world']:,} (" + ", ".join(
-        f"{d} {c} of {result['sizes'][d]}" for d, c in result["coords"].items()) + f") | {result['parallel']}")
+        f"{d} {c} of {result['sizes'][d]}" for d, c in result["coords"].items()) + f") | {result['parallel']}"
+          + (" | --sp" if result["sp"] else ""))
     print(f"model: {m['layers']} blocks, width {m['width']}, {m['heads']} heads, context {m['context']}, vocabulary "
           f"{m['vocab']:,}: {result['parameters']:,} parameters | micro-batch {result['micro_batch']} x "
           f"{result['accumulate']} per dp rank, {result['tokens_per_step']:,} tokens a step")

@@ -625,6 +625,7 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
                           ("--context", "30", "--cp", "2"): "--context",  # zigzag cuts it into 4 chunks
                           ("--vocab", "0"): "--vocab", ("--world", "0"): "--world", ("--ac", "some"): "--ac",
                           ("--tp", "2"): "--tp",  # under DDP (tp runs with FSDP2)
+                          ("--sp",): "--sp",  # without --tp: stage 13's own check
                           ("--pp", "3"): "--pp", ("--pp-schedule", "zb"): "--pp-schedule",
                           ("--cp", "3"): "--cp", ("--parallel", "zero"): "--parallel",
                           ("--micro-batch", "0"): "--micro-batch", ("--accumulate", "0"): "--accumulate",
