@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from contextlib import nullcontext
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from unittest import mock
@@ -32,6 +33,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import set_checkpoint_early_stop
@@ -70,25 +72,35 @@ def kept_formula(ac: str, b: int, t: int, w: int, h: int) -> int:
     return {"none": 16 * btw + 4 * bt + h * bt, "full": btw, "selective": 11 * btw + h * bt}[ac]
 
 
-def kept_elements(block: torch.nn.Module, ac: str, x: torch.Tensor, parallelize: ModuleType) -> int:
-    """The elements `block`, checkpointed with --ac `ac`, keeps for backward in its forward on x: each storage once,
-    the weights aside."""
-    stores, make = [], parallelize.create_selective_checkpoint_contexts
+def kept_elements(block: torch.nn.Module, x: torch.Tensor, ac: str = "none",
+                  parallelize: ModuleType | None = None) -> int:
+    """The elements `block`, checkpointed with --ac `ac` (by `parallelize`, the stage's), keeps for backward in its
+    forward on x: each storage once (a DTensor's local one), the weights aside."""
+    stores: list = []
 
-    def recording(*args, **kwargs):  # torch's own pair of contexts; the first holds the store of kept outputs
-        contexts = make(*args, **kwargs)
-        stores.append(contexts[0].storage)
-        return contexts
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t._local_tensor if isinstance(t, DTensor) else t
 
-    weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    weights = {local(p).untyped_storage().data_ptr() for p in block.parameters()}
     kept: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in weights:
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        s = local(t).untyped_storage()
+        if s.data_ptr() not in weights:
+            kept[s.data_ptr()] = s.nbytes()
         return t
 
-    with mock.patch.object(parallelize, "create_selective_checkpoint_contexts", recording):
+    recorded = nullcontext()
+    if ac != "none":
+        make = parallelize.create_selective_checkpoint_contexts
+
+        def recording(*args, **kwargs):  # torch's own pair of contexts; the first holds the store of kept outputs
+            contexts = make(*args, **kwargs)
+            stores.append(contexts[0].storage)
+            return contexts
+
+        recorded = mock.patch.object(parallelize, "create_selective_checkpoint_contexts", recording)
+    with recorded:
         if ac != "none":
             parallelize.checkpointed(block, ac)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -109,7 +121,7 @@ def test_the_bytes_kept_for_backward_are_the_formulas(b, t, w, h):
         torch.manual_seed(0)
         block = model.Block(model.Config(65, t, 1, h, w)).double()
         x = torch.randn(b, t, w, dtype=torch.float64, requires_grad=True)
-        found[ac] = kept_elements(block, ac, x, parallelize)
+        found[ac] = kept_elements(block, x, ac, parallelize)
     expected = {ac: kept_formula(ac, b, t, w, h) for ac in MODES}
     units = {ac: round(n / (b * t * w), 3) for ac, n in found.items()}
     assert found == expected, f"kept per block, in elements: {found}, the formulas {expected} (in btw: {units})"

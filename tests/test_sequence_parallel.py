@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_activation_checkpointing import module_of
+from test_activation_checkpointing import kept_elements, module_of
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -76,27 +76,6 @@ class Collectives(TorchDispatchMode):
             size = out.numel() if "all_gather" in name else args[0].numel()
             self.calls.append([name.split("::")[1], size])
         return out
-
-
-def kept_elements(block: torch.nn.Module, x: torch.Tensor) -> int:
-    """The elements `block` keeps for backward in its forward on x: each storage once (a DTensor's local one), the
-    weights aside."""
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t._local_tensor if isinstance(t, DTensor) else t
-
-    weights = {local(p).untyped_storage().data_ptr() for p in block.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = local(t).untyped_storage()
-        if s.data_ptr() not in weights:
-            kept[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = block(x)
-    del out
-    return sum(kept.values()) // x.element_size()
 
 
 def one_step(gpt, model: torch.nn.Module, tokens: torch.Tensor, sp: bool, batch: int = B, dp_rank: int = 0,
