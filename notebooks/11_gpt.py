@@ -106,10 +106,20 @@ print(f"{'total':<16} {total:>9,}; training FLOPs per token (6N + attention): {g
 # As in every stage, the data order comes from `--seed` alone: step *s* draws its global batch of
 # windows from a generator seeded with seed + *s*, and dp rank *r* of *W* takes rows *r*, *r + W*, …;
 # so *W* ranks of batch *b* see exactly the windows of one process of batch *W·b*. A tiny copy of
-# the model (2 blocks, width 32, context 32) in float64, global batch 4, 8 steps, four ways: one
+# the model (2 blocks, width 32, context 32) in float64, global batch 4, 8 steps, six ways: one
 # process; DDP over 2 processes of batch 1 with `--accumulate 2`; FSDP2 over 2 processes of batch 2;
 # FSDP2 + tp on a dp 1 × tp 2 mesh (both processes on the same 4 windows, each with one of the 2
-# heads of every block). Each writes `model.pt`, the whole model.
+# heads of every block); the same with `--sp`; and HSDP on 4 processes. Each writes `model.pt`, the
+# whole model.
+#
+# `--sp` (sequence parallelism) splits what tp leaves whole on every tp rank, the norms, the residual
+# stream and dropout, by position over the tp group: each tp rank holds t/tp of the sequence between
+# the blocks' matmuls, an all-gather before them and a reduce-scatter after them replace the
+# all-reduce, and the loss is taken on the vocabulary-sharded logits (`loss_parallel`) without
+# gathering them. The norms' weights see only their rank's positions, so their gradients are summed
+# over tp. `--replicate R` (HSDP) splits the dp processes into R replicas of dp/R: FSDP2 shards inside
+# a replica (its all-gathers on a node's fast links) and all-reduces the sharded gradients across
+# replicas.
 
 # %%
 TINY = ("--layers", "2", "--heads", "2", "--width", "32", "--context", "32", "--dtype", "float64", "--device", "cpu",
@@ -121,6 +131,10 @@ ways = {
     "FSDP2 2 x 2": nb.Step("11_gpt", "torchrun", (*TINY, "--batch-size", "2", "--parallel", "fsdp"), nproc=2),
     "FSDP2 + tp, 1 x 2": nb.Step("11_gpt", "torchrun", (*TINY, "--batch-size", "4", "--parallel", "fsdp", "--tp", "2"),
                                  nproc=2),
+    "FSDP2 + tp --sp, 1 x 2": nb.Step("11_gpt", "torchrun", (*TINY, "--batch-size", "4", "--parallel", "fsdp",
+                                                             "--tp", "2", "--sp"), nproc=2),
+    "HSDP 2 x 2 of batch 1": nb.Step("11_gpt", "torchrun", (*TINY, "--batch-size", "1", "--parallel", "fsdp",
+                                                            "--replicate", "2"), nproc=4),
 }
 done = {label: nb.run(step, f"11_gpt_{i}", quiet=True) for i, (label, step) in enumerate(ways.items())}
 
@@ -133,9 +147,9 @@ for i, (label, r) in enumerate(done.items()):
     print(f"{label:<26} world {s['world_size']}, dp {s['dp']} x tp {s['tp']}, global batch {s['global_batch']}: "
           f"max |Δw| vs 1 process {gap:.1e}, held-out {s['eval_loss']:.6f}")
     assert gap <= nb.ATOL, (label, gap)
-    style = {"lw": 7, "color": "0.75"} if i == 0 else {"marker": "ox^"[i - 1], "ls": "--", "lw": 1, "color": f"C{i}"}
+    style = {"lw": 7, "color": "0.75"} if i == 0 else {"marker": "ox^sv"[i - 1], "ls": "--", "lw": 1, "color": f"C{i}"}
     ax.plot(range(1, len(s["losses"]) + 1), s["losses"], label=label, zorder=1 + i, **style)
-ax.set(xlabel="step", ylabel="training loss", title="four ways to split one training: one curve")
+ax.set(xlabel="step", ylabel="training loss", title="six ways to split one training: one curve")
 ax.legend(fontsize=8)
 fig.tight_layout()
 nb.show(fig)
