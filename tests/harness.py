@@ -322,6 +322,24 @@ def group_of_one() -> Iterator[None]:
         dist.destroy_process_group()
 
 
+CORPUS = ROOT / "11_gpt" / "data" / "input.txt"  # tiny Shakespeare, the GPT stages' --data
+SMALL_CORPUS = (662_628, 24_000)  # the first line start whose next 24,000 characters use all 65 of CORPUS's
+
+
+def small_corpus(folder: Path) -> Path:
+    """SMALL_CORPUS's stretch of CORPUS as folder/input.txt, for the GPT stages' --data: a run's cost beyond its steps
+    is the corpus (tokenised by every rank) and its held-out tenth (scored whole at the end by every layout compared
+    with one process); here 2,400 held out, whose last window is shorter at context 24, 32 and 64 (the padded tail a
+    layout must score as one process does). Its vocabulary is CORPUS's, so a model or checkpoint of the default corpus
+    has its shapes."""
+    start, chars = SMALL_CORPUS
+    text = CORPUS.read_text(encoding="utf-8")
+    assert text[start - 1] == "\n" and set(text[start:start + chars]) == set(text), "SMALL_CORPUS: not CORPUS's stretch"
+    path = folder / "input.txt"
+    path.write_text(text[start:start + chars], encoding="utf-8")
+    return path
+
+
 def gradient_bytes(dtype: str = "float64") -> int:
     """What one all-reduce of every gradient hands over per rank: stage 01's parameters, counted here, not by a hook."""
     import torch
@@ -369,16 +387,17 @@ class Limit(float):
 
 
 def run_chains(chains: dict[str, list[Step]], tmp: Path, names: dict[str, list[str]] | None = None,
-               scripts: dict[str, Path] | None = None, weights: dict[str, int] | None = None) -> dict[str, Run]:
+               scripts: dict[str, Path] | None = None, weights: dict[str, int] | None = None,
+               args: tuple[str, ...] = ()) -> dict[str, Run]:
     """A test module's runs: each chain's steps one after another (a resumed run after the one it resumes), two
     chains at a time (independent ones side by side: put the longest first, so that the others fill in beside it).
     Each run by its name (`names[chain]`, else the chain's own), its --out tmp/name, checked; `scripts[chain]`: a
     mutated copy to run instead; `weights[chain]`: programs each process counts as in its time limit (a compiling
-    run, 3)."""
+    run, 3); `args`: given to every run after its own (a later flag wins: `--data`, small_corpus(tmp))."""
     names, scripts, weights = names or {}, scripts or {}, weights or {}
 
     def run_chain(chain: str) -> list[Run]:
-        return [check(launch(s, out=tmp / names.get(chain, [chain])[i], script=scripts.get(chain),
+        return [check(launch(with_args(s, *args), out=tmp / names.get(chain, [chain])[i], script=scripts.get(chain),
                              timeout=time_limit(programs=programs(s) * weights.get(chain, 1))))
                 for i, s in enumerate(chains[chain])]
 

@@ -590,10 +590,15 @@ def test_a_forked_stage_14_run_trains_as_torchruns_does(tmp_path):
     """Stage 14 with its experts over ep 2 (2 ranks: all-to-alls, the experts' own groups, a balancing loss), 3 steps
     in float64, under torchrun itself and forked: the same training bit for bit (the summary's losses, gradient
     norms, held-out loss, each expert's load and balancing losses; its timings apart) and the same weights. The
-    comparison is sharp: one loss one ulp away is told apart."""
+    comparison is sharp: one loss one ulp away is told apart. A small model on a small corpus (harness.small_corpus):
+    what a fork could change (the modules, seeds, threads and environment a rank starts with) does not depend on
+    the model's size, and the default's held-out scoring was most of this test's CPU time."""
     import math
     step = harness.Step("14_experts", "torchrun", ("--ep", "2", "--max-steps", "3", "--eval-every", "3",
-                                                   "--sample", "0", "--dtype", "float64"), nproc=2)
+                                                   "--sample", "0", "--dtype", "float64", "--layers", "2",
+                                                   "--heads", "2", "--width", "32", "--context", "24",
+                                                   "--batch-size", "4", "--data", str(harness.small_corpus(tmp_path))),
+                        nproc=2)
     runs = {}
     for how, programs in (("real", 3), ("forked", 2)):  # torchrun's agent and 2 ranks; 2 ranks
         out = tmp_path / how
