@@ -1,8 +1,9 @@
 """Stage 11: a GPT on Shakespeare computes the same training however it is split, resumes exactly, and refuses bad
 input in one line.
 
-Nine launches of a tiny model (2 blocks, 2 heads, width 32, context 32), global batch 4, serve every assert; the
-single-process run in float64 is the reference. All of them train with the stage's recipe: the rate warmed up over
+Nine launches of a tiny model (2 blocks, 2 heads, width 32, context 32), global batch 4, on 24,000 characters of tiny
+Shakespeare (harness.small_corpus: every run scores its held-out tenth whole), serve every assert; the single-process
+run in float64 is the reference. All of them train with the stage's recipe: the rate warmed up over
 2 steps and decayed over 12 (half's and fsdp's first legs are told --decay-steps 12), the gradient clipped to a norm
 of 1, which the first steps exceed and the later ones do not, so the layouts are compared on steps of both kinds:
 
@@ -43,7 +44,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import readme_run
-from harness import ROOT, Run, Step, clean_env, group_of_one, load_stage, mutate, run_chains, tolerance
+from harness import ROOT, Run, Step, clean_env, group_of_one, load_stage, mutate, run_chains, small_corpus, tolerance
 from readme_blocks import BLOCKS
 from tools.cli import read_csv
 
@@ -90,7 +91,8 @@ def runs(tmp_path_factory) -> dict[str, Run]:
     # Compiling counts as 3 processes: with inductor's cache empty it took 14-19 start-ups here (92 s with a start-up
     # of 6.7 s, 74 s with 3.8 s), a tiny run about 2.
     return run_chains(chains, tmp, names={"half": ["half", "resumed"], "fsdp": ["fsdp", "tp"]},
-                      scripts={"broken": broken}, weights={"compiled": 3})
+                      scripts={"broken": broken}, weights={"compiled": 3},
+                      args=("--data", str(small_corpus(tmp))))  # every run's: 24,000 characters, 2,400 held out
 
 
 def gap(a: dict, b: dict) -> float:
@@ -151,10 +153,12 @@ def test_the_reference_learns_and_reports(runs):
     assert sum(n > CLIP for n in s["grad_norms"]) >= 3 and sum(n < CLIP for n in s["grad_norms"]) >= 3 and \
         s["clip"] == CLIP, s["grad_norms"]
     assert s["losses"][-1] < s["losses"][0] - 0.2, s["losses"]  # 12 steps at lr 0.01: from ln 65 = 4.17 down
-    # The held-out loss counts every held-out character but the first, once (111,540 held out); the baselines
-    # are the corpus's: ln 65 for the uniform one, and bigram < unigram < uniform.
+    # The held-out loss counts every held-out character but the first, once (the small corpus's last 2,400); the
+    # baselines are the corpus's: ln 65 for the uniform one, and bigram < unigram < uniform.
     b = s["baselines"]
-    assert s["eval_count"] == 111_539 and b["uniform"] == pytest.approx(math.log(65))
+    assert s["eval_count"] == 2_399 and b["uniform"] == pytest.approx(math.log(65))
+    assert "data: input.txt, 24,000 characters (65 distinct): 21,600 to train on, the last 2,400 held out" in \
+        runs["one"].stdout, runs["one"].stdout
     assert b["bigram"] < b["unigram"] < b["uniform"]
     assert len(s["sample"]) == 40 and "sample (40 characters" in runs["one"].stdout
     assert s["memory"]["peak"][0] > 0
