@@ -29,7 +29,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from context_parallel import ContextParallel
 from grid import Grid
 from model import GPT, Config
-from pipeline import Pipeline
+from pipeline import SPLIT_BACKWARD, Pipeline
 
 # Stage 09's pairing, on a transformer block: q, k and v split column-wise (each tp rank computes whole heads, its
 # share of them, without talking), the attention's output projection row-wise (partial sums, all-reduced over tp);
@@ -114,8 +114,13 @@ def parallelize(model: GPT, grid: Grid, cp: ContextParallel, args: argparse.Name
         # forward and backward; the gradients are reduce-scattered in float32, so the average rounds as without it.
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.amp == "bf16" \
             else MixedPrecisionPolicy()
+        # The zero-bubble schedules (--pp-schedule interleavedzb, zbv, dualpipev) split a backward in two: the input
+        # gradient (torch.autograd.grad for the inputs alone), the weights' later. They find the weights by the
+        # module's parameters: those must be the gathered ones the forward used, so a block stays gathered from its
+        # forward to its backward (else half the weights' gradients are lost: seen here, 5e-2 from one process).
+        keep = args.pp > 1 and args.pp_schedule in SPLIT_BACKWARD
         for block in model.blocks.values():
-            fully_shard(block, mesh=grid.mesh["dp_cp"], mp_policy=mp)
+            fully_shard(block, mesh=grid.mesh["dp_cp"], mp_policy=mp, reshard_after_forward=not keep)
         return fully_shard(model, mesh=grid.mesh["dp_cp"], mp_policy=mp)  # the rest (embeddings, norm, head): the root
     # Stages 03-06: a replica per rank; the constructor broadcasts rank 0's weights, backward averages gradients.
     device = next(model.parameters()).device

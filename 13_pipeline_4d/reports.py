@@ -147,7 +147,7 @@ def write_run(args: argparse.Namespace, trainer: Trainer, model: GPT, floor: dic
     summary = {
         "stage": STAGE, "world_size": dist.get_world_size(), "backend": dist.get_backend(),
         "device": trainer.device.type, "dtype": args.dtype, "parallel": args.parallel, "dp": trainer.dp,
-        "tp": args.tp, "pp": args.pp, "pp_schedule": args.pp_schedule,
+        "tp": args.tp, "pp": args.pp, "pp_schedule": args.pp_schedule, "stages_per_rank": args.stages_per_rank,
         "cp": args.cp, "cp_impl": args.cp_impl, "zigzag": not args.no_zigzag,
         "accumulate": args.accumulate, "amp": args.amp, "compile": args.compile, "ac": args.ac, "sp": args.sp,
         "batch_size": args.batch_size, "global_batch": trainer.global_batch, "max_steps": args.max_steps,

@@ -47,7 +47,7 @@ from evaluate import clock, held_out_loss, sample
 from grid import Grid, ddp_setup
 from model import DTYPES, GPT, Config, parameters
 from parallelize import clip_gradients, full_model, parallelize
-from pipeline import SCHEDULES, Pipeline, next_char_loss, pipeline_stage
+from pipeline import SCHEDULES, V_SHAPED, Pipeline, Stages, held_at_most, next_char_loss, pipeline_stage
 
 STAGE = "13_pipeline_4d"
 
@@ -57,9 +57,14 @@ STAGE = "13_pipeline_4d"
 def load_train_objs(args: argparse.Namespace, corpus: Corpus, device: torch.device, grid: Grid,
                     cp: ContextParallel, pipe: Pipeline):
     cfg = Config(len(corpus.chars), args.context, args.layers, args.heads, args.width)
-    torch.manual_seed(args.seed)  # every rank draws the same initial weights (in float32, then cast)
-    # --pp: every rank draws the whole model's, as one process does, and keeps its stage's part.
-    model = parallelize(pipeline_stage(GPT(cfg), pipe.size, pipe.rank).to(device, DTYPES[args.dtype]), grid, cp, args)
+    # --pp: every rank draws the whole model's initial weights, as one process does (the same seed: the same
+    # weights), and keeps its stage's part; --stages-per-rank v: a part for each of its v stages, one model each.
+    parts = []
+    for index in pipe.stages:
+        torch.manual_seed(args.seed)  # (in float32, then cast)
+        part = pipeline_stage(GPT(cfg), pipe.count, index).to(device, DTYPES[args.dtype])
+        parts.append(parallelize(part, grid, cp, args))
+    model = parts[0] if len(parts) == 1 else Stages(parts)
     # AdamW, as transformers are trained; created after parallelize, so that it holds this rank's pieces. Weight
     # decay pulls the matrices towards zero; not the biases and norms (a scale and a shift, nothing to regularise),
     # nor the embeddings (a character's row only learns when it appears: decay would erase the rare ones).
@@ -295,7 +300,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the causal attention's work) instead of chunks r and 2cp-1-r")
     p.add_argument("--pp", type=checks.positive(int), default=1, help="pipeline-parallel degree: processes that "
                    "split the blocks into stages (--layers at least pp; --accumulate micro-batches go through them)")
-    p.add_argument("--pp-schedule", choices=list(SCHEDULES), default="1f1b", help="GPipe or 1F1B (stage 10)")
+    p.add_argument("--pp-schedule", choices=list(SCHEDULES), default="1f1b",
+                   help="GPipe or 1F1B (stage 10), or with --stages-per-rank 2 or more: interleaved 1F1B, its "
+                        "zero-bubble form (interleavedzb), ZB-V or DualPipeV (2 stages a rank, in a V)")
+    p.add_argument("--stages-per-rank", type=checks.positive(int), default=1,
+                   help="pipeline stages each pp rank holds (virtual stages): the blocks are cut into pp x this")
     p.add_argument("--accumulate", type=checks.positive(int), default=1,
                    help="micro-batches of --batch-size per step (under --pp, the pipeline's micro-batches)")
     p.add_argument("--amp", choices=["bf16"], help="autocast the forward to bfloat16 (the weights stay float32)")
@@ -332,13 +341,19 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
                                         f"--ac {args.ac}" if args.ac != "none" else "",
                                         "--sp" if args.sp else ""] if o)
         how = f" ({args.cp_impl}{', zigzag' if cp.zigzag else ', contiguous'})" if cp.size > 1 else ""
+        virtual = f", stages {pipe.count}: this rank's {pipe.stages}" if pipe.count > pipe.size else ""
         stages = f"pp {pipe.size} ({args.pp_schedule}, {args.accumulate} micro-batch" \
-            f"{'es' if args.accumulate > 1 else ''}) x " if pipe.size > 1 else ""
+            f"{'es' if args.accumulate > 1 else ''}{virtual}) x " if pipe.size > 1 else ""
         print(f"[{STAGE}] world size {world_size} = dp {dp} x {stages}cp {cp.size}{how} x tp {args.tp} | "
               f"{args.parallel} | backend {dist.get_backend()} | device {device.type}{fallback} | {args.dtype}"
               + (f" | {options}" if options else ""))
         if world_size > 1:
             print(grid.describe())  # which ranks each group holds (grid.py)
+        if pipe.size > 1:  # the stage-sized activations a rank keeps for backward at most (pipeline.py)
+            held = held_at_most(trainer.schedule, args.accumulate, pipe.size)
+            blocks = args.layers / pipe.count
+            print(f"pipeline: a rank holds at most {held} micro-batches' activations of a stage of {blocks:g} "
+                  f"block{'s' if blocks != 1 else ''} ({held * blocks:g} blocks' worth)")
         print(f"data: {args.data.name}, {len(corpus.train) + len(corpus.held_out):,} characters ({len(corpus.chars)} "
               f"distinct): {len(corpus.train):,} to train on, the last {len(corpus.held_out):,} held out")
         print(f"model: {cfg.layers} blocks, {cfg.heads} heads, width {cfg.width}, context {cfg.context}: "
@@ -409,7 +424,8 @@ def main(argv: list[str] | None = None) -> None:
         # stages pass on, the residual stream, too
         split = args.tp if args.sp else 1
         cp = ContextParallel(grid.group("cp"), args.cp_impl, zigzag=not args.no_zigzag, split=split)
-        pipe = Pipeline(grid.group("pp"), args.width, DTYPES[args.dtype], split)
+        pipe = Pipeline(grid.group("pp"), args.width, DTYPES[args.dtype], split, args.stages_per_rank,
+                        args.pp_schedule in V_SHAPED)
         train(rank, world_size, device, args, grid, cp, pipe, snapshot)
     except RuntimeError as e:  # gloo raises a peer's death or stall here, as a timeout or a closed connection
         if (hint := checks.explain_peer_failure(e, args.timeout)) is not None:

@@ -30,6 +30,7 @@ STAGE = "13_pipeline_4d"
 TOL = tolerance("float64")
 # The gradient norm over the pipeline: without its all_reduce, each stage clips by the norm of its own blocks.
 PP_NORM = "    if pipe.size > 1:\n        dist.all_reduce(total, group=pipe.group)\n"
+FS = ("--pp", "2", "--parallel", "fsdp", "--layers", "4")  # the refusals' pipeline
 
 
 def step(nproc: int, *args: str) -> Step:
@@ -37,6 +38,10 @@ def step(nproc: int, *args: str) -> Step:
 
 
 PP2 = ("--pp", "2", "--parallel", "fsdp", "--batch-size", "1", "--accumulate", "4", "--max-steps", "8")
+# The schedules of several stages a rank (--stages-per-rank 2, pp 2: 4 stages) need 4 blocks: the tiny model with 4,
+# 3 steps (a checkpoint at 2), against its own one-process reference.
+V4 = ("--layers", "4", "--max-steps", "3", "--save-every", "2")
+PPV = (*V4, "--pp", "2", "--stages-per-rank", "2", "--parallel", "fsdp", "--batch-size", "1")
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +58,16 @@ def runs(tmp_path_factory) -> dict[str, Run]:
         "one": [step(1, *ONE, "--snapshot", str(tmp / "ck_one"))],
         "pp2": [step(2, *PP2, "--snapshot", str(tmp / "ck_pp2"))],
         "ppclip": [step(2, *PP2, "--snapshot", str(tmp / "ck_ppclip"))],
+        "one4": [step(1, *V4, "--batch-size", "4", "--snapshot", str(tmp / "ck_one4"))],
+        "dualpipev": [step(2, *PPV, "--pp-schedule", "dualpipev", "--accumulate", "4", "--max-steps", "2",
+                           "--decay-steps", "3", "--snapshot", str(tmp / "ck_v")),
+                      step(2, *PPV, "--pp-schedule", "interleavedzb", "--accumulate", "4",
+                           "--snapshot", str(tmp / "ck_v"))],
+        "interleaved1f1b": [step(2, *PPV, "--pp-schedule", "interleaved1f1b", "--accumulate", "4")],
+        "dpzbv": [step(4, *PPV, "--pp-schedule", "zbv", "--accumulate", "2")],
     }
-    return run_chains(chains, tmp, names={"dppp": ["dppp", "full"]}, scripts={"ppclip": ppclip})
+    return run_chains(chains, tmp, names={"dppp": ["dppp", "full"], "dualpipev": ["dualpipev", "interleavedzb"]},
+                      scripts={"ppclip": ppclip})
 
 
 def test_two_pipeline_stages_are_one_process(runs):
@@ -93,6 +106,27 @@ def test_a_gradient_norm_of_one_stage_is_caught(runs):
     assert worst > 1e3 * TOL, f"the copy is within {worst:.2e} of one process (seed {SEED})"
 
 
+def test_several_stages_a_rank_are_one_process(runs):
+    """Each schedule of two stages a rank (pp 2, 4 stages of one block) is one process (4 blocks, 3 steps): DualPipeV
+    (the V: rank 0 holds stages 0 and 3) to step 2, its checkpoint resumed under interleaved zero bubble
+    (round-robin: rank 0 holds 0 and 2) to 3; interleaved 1F1B; ZB-V beside a dp of 2 (4 processes, FSDP2 over
+    dp). The zero-bubble ones split each backward in two, input then weight gradients."""
+    one = runs["one4"]
+    placed = {"dualpipev": "[0, 3]", "interleavedzb": "[0, 2]", "interleaved1f1b": "[0, 2]", "dpzbv": "[0, 3]"}
+    for name, stages in placed.items():
+        run = runs[name]
+        assert (run.summary["pp"], run.summary["stages_per_rank"]) == (2, 2), run.summary
+        assert f"stages 4: this rank's {stages}" in run.stdout, run.stdout  # rank 0's line
+    assert "(written by 2 ranks) at step 2" in runs["interleavedzb"].stdout
+    worst, shared = compare("pp 2, DualPipeV, 2 stages a rank in a V, 4 micro-batches of 1 (4 blocks)",
+                            runs["dualpipev"], one)
+    assert shared == [0, 2] and worst <= TOL, f"dualpipev vs one process (seed {SEED}): {worst:.2e}"
+    equals_one_process(runs["interleavedzb"], one, [2, 3], "pp 2, interleaved zero bubble, 2 stages a rank "
+                       "round-robin, resumed from DualPipeV's checkpoint")
+    equals_one_process(runs["interleaved1f1b"], one, [0, 3], "pp 2, interleaved 1F1B, 2 stages a rank round-robin")
+    equals_one_process(runs["dpzbv"], one, [0, 3], "dp 2 × pp 2, ZB-V, 2 stages a rank in a V, 2 micro-batches of 1")
+
+
 def test_bad_combinations_are_one_line_and_exit_2():
     """What must divide what (pp x cp x tp the world; pp at most the blocks and, under 1F1B, the micro-batches), pp
     without FSDP2; and the controls accepted. (cp's own refusals, the same code: tests/test_context_parallel.py.)"""
@@ -105,9 +139,28 @@ def test_bad_combinations_are_one_line_and_exit_2():
         (["--pp", "4", "--parallel", "fsdp", "--accumulate", "4", "--layers", "3"], {"WORLD_SIZE": "4"},
          "--pp: 4 stages need at least 4 blocks"),
         (["--pp", "2", "--parallel", "fsdp"], {"WORLD_SIZE": "2"}, "--accumulate: 1F1B needs at least one"),
+        # --stages-per-rank: what torch's multi-stage schedules assert, refused before
+        (["--stages-per-rank", "2"], {"WORLD_SIZE": "1"}, "--stages-per-rank: 2 stages a rank cut a pipeline"),
+        ([*FS, "--stages-per-rank", "2", "--accumulate", "4"], {"WORLD_SIZE": "2"},
+         "--stages-per-rank: 1f1b runs one stage a rank"),
+        ([*FS, "--pp-schedule", "interleaved1f1b"], {"WORLD_SIZE": "2"}, "--stages-per-rank: interleaved1f1b holds"),
+        ([*FS, "--pp-schedule", "zbv", "--stages-per-rank", "3", "--layers", "6"], {"WORLD_SIZE": "2"},
+         "--stages-per-rank: zbv places exactly 2 stages a rank"),
+        ([*FS, "--pp-schedule", "zbv", "--stages-per-rank", "2", "--layers", "3"], {"WORLD_SIZE": "2"},
+         "--stages-per-rank: --pp 2 x 2 = 4 stages need at least 4 blocks"),
+        ([*FS, "--pp-schedule", "interleavedzb", "--stages-per-rank", "2", "--accumulate", "5"], {"WORLD_SIZE": "2"},
+         "--accumulate: interleavedzb runs the micro-batches in --accumulate // --pp = 2 rounds"),
+        ([*FS, "--pp-schedule", "dualpipev", "--stages-per-rank", "2", "--accumulate", "3"], {"WORLD_SIZE": "2"},
+         "--accumulate: dualpipev needs a micro-batch per stage, 4, not 3"),
+        ([*FS, "--pp-schedule", "zbv", "--stages-per-rank", "2", "--compile"], {"WORLD_SIZE": "2"},
+         "--compile: zbv splits each backward in two"),
     ]
     refused_in_one_line(cases, STAGE)
     assert refusal(["--pp", "2", "--parallel", "fsdp", "--pp-schedule", "gpipe"], {"WORLD_SIZE": "2"},
                    STAGE)[0] == "accepted"  # GPipe runs with fewer micro-batches than stages
     assert refusal(["--pp", "2", "--tp", "2", "--cp", "2", "--parallel", "fsdp", "--accumulate", "2"],
                    {"WORLD_SIZE": "8"}, STAGE)[0] == "accepted"
+    for accepted in (["--pp-schedule", "interleaved1f1b", "--accumulate", "3"],  # 1 round of 3: torch runs it
+                     ["--pp-schedule", "zbv", "--accumulate", "1"],
+                     ["--pp-schedule", "dualpipev", "--accumulate", "4"]):
+        assert refusal([*FS, "--stages-per-rank", "2", *accepted], {"WORLD_SIZE": "2"}, STAGE)[0] == "accepted"
