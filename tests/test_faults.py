@@ -528,6 +528,8 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
                   ("--cp-impl", "torch"): "--cp-impl", ("--no-zigzag=1",): "--no-zigzag"}
     if stage in (PP_STAGE, EP_STAGE):  # and only --pp 1
         table |= {("--pp", "0"): "--pp", ("--pp", "2"): "--pp", ("--pp-schedule", "zb"): "--pp-schedule"}
+    if stage == PP_STAGE:  # virtual stages: a positive count, and a pipeline (--pp 2 or more) to cut
+        table |= {("--stages-per-rank", "0"): "--stages-per-rank", ("--stages-per-rank", "2"): "--stages-per-rank"}
     if stage == EP_STAGE:  # and only --ep 1; k at most E
         table |= {("--experts", "0"): "--experts", ("--top-k", "0"): "--top-k", ("--top-k", "5"): "--top-k",
                   ("--ep", "0"): "--ep", ("--ep", "2"): "--ep", ("--ep", "x"): "--ep",
