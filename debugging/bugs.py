@@ -1,6 +1,7 @@
 """Stage 04's DDP training with one bug a learner really writes planted (--bug), and the checks that find it.
 
-Two CPU processes (gloo), forked by mp, meet through a file (no port). Every rank runs three checks:
+Two CPU processes (gloo), forked by mp, meet through a file (no port), or torchrun starts them (its store).
+Every rank runs three checks:
   - a watchdog: when a step makes no progress for half of --timeout, it prints every rank's Python stack, so
     you see the line each rank waits on; gloo then ends the collective at --timeout and the job exits 1;
   - the flight recorder (--trace DIR): the last collectives of each rank, dumped by the watchdog, for
@@ -8,7 +9,8 @@ Two CPU processes (gloo), forked by mp, meet through a file (no port). Every ran
   - a replica check: after every step, a checksum per parameter all-gathered, naming the first parameter
     and step where the replicas part; and, with --finite-check, every rank's loss checked before backward.
 
-    python debugging/bugs.py --bug only_rank0 --timeout 6     (also: mismatch --trace DIR, drift, crash)
+    python debugging/bugs.py --bug only_rank0 --timeout 6     (also: mismatch --trace DIR, drift, seed, dropout)
+    torchrun --standalone --nproc_per_node=2 debugging/bugs.py --bug crash     (torchrun starts the ranks)
     TORCH_DISTRIBUTED_DEBUG=INFO python debugging/bugs.py --bug unused --no-replica-check   (also: replaced, twice)
     python debugging/bugs.py --bug nan --finite-check
     python debugging/bugs.py --bug sendrecv --sync-sends --timeout 6      (NCCL's rules for messages, on gloo)
@@ -32,6 +34,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch._dynamo  # noqa: F401  (DDP(...) imports it, 2-3 CPU-s: imported here once, not in every forked rank)
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -48,7 +51,7 @@ from tour import load_stage  # noqa: E402
 
 stage = load_stage("04_ddp_torchrun")  # stage 04's train.py: its model, its data and its sampler
 BUGS = ["none", "only_rank0", "mismatch", "drift", "unused", "twice", "replaced", "nan", "crash", "sendrecv",
-        "set_epoch"]
+        "set_epoch", "dropout", "seed"]
 BUG_STEP = 3  # the step where a bug strikes: the steps before it run clean
 
 
@@ -78,17 +81,25 @@ class Shared(stage.Net):
         return self.head[2](h)
 
 
+class Dropped(stage.Net):
+    """Stage 04's Net with dropout on its hidden units: each rank draws its masks from its own random numbers."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.dropout(self.body(x), p=0.5, training=self.training))
+
+
 def make_model(bug: str) -> nn.Module:
-    return {"unused": WithSpare, "twice": Shared}.get(bug, stage.Net)()
+    return {"unused": WithSpare, "twice": Shared, "dropout": Dropped}.get(bug, stage.Net)()
 
 
 def train(rank: int, args: argparse.Namespace, watchdog: Watchdog) -> None:
     world = dist.get_world_size()
     train_set, _ = stage.make_data(args.seed)
     loader = stage.prepare_dataloader(train_set, args.batch_size, rank, world, args.seed)  # each rank its share
-    torch.manual_seed(args.seed)
-    # sync point: rank 0's weights broadcast to every rank
-    model = DDP(make_model(args.bug), find_unused_parameters=args.find_unused)
+    torch.manual_seed(args.seed + rank if args.bug in ("dropout", "seed") else args.seed)  # BUG: a seed per rank
+    model = DDP(make_model(args.bug), find_unused_parameters=args.find_unused)  # sync point: rank 0's weights broadcast
+    if args.bug == "seed":
+        model.module.head[2].reset_parameters()  # BUG: a fresh head drawn after DDP(...), from each rank's seed
     if args.bug == "replaced":
         model.module.head[2] = nn.Linear(stage.HIDDEN, stage.N_CLASSES)  # BUG: a layer replaced after DDP(...)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
@@ -258,14 +269,14 @@ def dump_flight_recorder(rank: int, trace: Path | None) -> None:
           flush=True)
 
 
-def worker(rank: int, args: argparse.Namespace, store_file: str) -> None:
+def worker(rank: int, args: argparse.Namespace, store_file: str | None) -> None:
     if args.trace is not None:  # the flight recorder records only when its buffer is set before the group starts
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "100")
     if args.sync_sends:  # NCCL's rules laid over gloo: a send is done only once its receiver has taken it
         sys.path.insert(0, str(ROOT / "tests"))
         import sync_sends
         sync_sends.install()
-    store = dist.FileStore(store_file, args.world_size)
+    store = dist.FileStore(store_file, args.world_size) if store_file else None  # None: torchrun's (env://)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=args.world_size,
                             timeout=timedelta(seconds=args.timeout))
     watchdog = Watchdog(rank, args.timeout / 2, args.trace)
@@ -349,6 +360,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: this process is one of its ranks
+        args.world_size = int(os.environ["WORLD_SIZE"])
+        worker(int(os.environ["RANK"]), args, None)
     with tempfile.TemporaryDirectory() as tmp:
         try:
             # Forked, the ranks start from this process's import of torch and stage 04 instead of importing them again.

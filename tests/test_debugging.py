@@ -8,13 +8,18 @@ their output and the flight recorder's files, launching nothing. Each claim is c
 - mismatch: fr_trace names the sequence number where the ranks' recorded collectives first differ, the culprit
   rank and both kinds; the watchdog names rank 1's misplaced call;
 - drift: the replica check names the parameter bugs.py changes and the step it changes it at;
+- dropout: a seed per rank before DDP(...) and a dropout drawing each rank's masks from it: the replicas stay equal,
+  and the loss is not the run without dropout's; seed: a layer drawn afresh after DDP(...) from each rank's seed is
+  named by the replica check at step 0, and no parameter before it (drawn before DDP(...), broadcast) is;
 - none: the same script without a bug passes every check (no false alarm);
 - unused, replaced, twice: DDP's own error on every rank, and the parameters it names (by index, and by name under
   TORCH_DISTRIBUTED_DEBUG=INFO) are the ones bugs.py leaves without a gradient or uses twice, found in its own model;
   unused with the replica check on: the replicas part at step 0, a step before DDP's error; with
   --find-unused it trains and every check passes; replaced with --find-unused: the new layer parts at step 0;
 - nan: without a check the NaN reaches every parameter of every rank; the finite check names rank 1 and the step;
-- crash: one rank's exception ends the job well before --timeout, and the first error line names that rank;
+- crash (under torchrun): one rank's exception ends the job well before --timeout, and the first error line names
+  that rank; torchrun's summary lists it, and its Root Cause is the failure it stamped first, the other rank only
+  when both carry the same second;
 - sendrecv: an isend then a recv on both ranks trains on gloo; under NCCL's rules (--sync-sends, tests/sync_sends.py)
   it hangs until --timeout, each rank's stack dump names the line of its receive, and a send is never taken;
 - set_epoch: the replicas stay equal, and the loss comparison with a run that calls it names the first step of
@@ -47,7 +52,10 @@ TWICE = 'python debugging/bugs.py --bug twice 2>&1 || echo "exit status $?"'
 NAN = "python debugging/bugs.py --bug nan 2>&1"
 NAN_CHECK = 'python debugging/bugs.py --bug nan --finite-check 2>&1 || echo "exit status $?"'
 CRASH_TIMEOUT = 120  # the --timeout of the crash's command: far above its time limit
-CRASH = f'python debugging/bugs.py --bug crash --timeout {CRASH_TIMEOUT} 2>&1 || echo "exit status $?"'
+CRASH = (f'torchrun --standalone --nproc_per_node=2 debugging/bugs.py --bug crash --timeout {CRASH_TIMEOUT} 2>&1 '
+         '|| echo "exit status $?"')
+DROPOUT = "python debugging/bugs.py --bug dropout"
+SEED = 'python debugging/bugs.py --bug seed 2>&1 || echo "exit status $?"'
 SENDRECV_SYNC = (f'python debugging/bugs.py --bug sendrecv --sync-sends --timeout {TIMEOUT} 2>&1 '
                  '|| echo "exit status $?"')
 SET_EPOCH = ('python debugging/bugs.py --bug set_epoch --steps 72 --against runs/losses.json 2>&1 '
@@ -124,6 +132,34 @@ def test_without_a_bug_every_check_passes(readme_runs, bugs):
     steps = bugs.parse_args([]).steps
     assert f"replica check: {steps} steps, every parameter equal on 2 ranks" in run.stdout, run.stdout
     assert "watchdog" not in run.stdout + run.stderr and "differs" not in run.stdout, run.describe()
+
+
+@pytest.mark.readme_run(NONE, DROPOUT)
+def test_a_seed_per_rank_before_ddp_and_a_rank_dependent_dropout_keep_the_replicas_equal(readme_runs, bugs):
+    run = readme_run(readme_runs, DROPOUT)  # the block's run: dropout, then seed
+    dropout, equal, _ = run.stdout.partition(f"replica check: {bugs.parse_args([]).steps} steps, every parameter "
+                                             "equal on 2 ranks\n")
+    assert equal and "differs" not in dropout and "watchdog" not in dropout, run.describe()
+    loss = re.compile(r"trained \d+ steps \| mean loss (\S+)")
+    with_dropout, without = loss.search(dropout), loss.search(readme_run(readme_runs, NONE).stdout)
+    assert with_dropout and without and with_dropout.group(1) != without.group(1), run.stdout  # the dropout is on
+
+
+@pytest.mark.readme_run(SEED)
+def test_a_layer_drawn_after_ddp_from_a_seed_per_rank_is_named_by_the_replica_check_at_step_0(readme_runs, bugs):
+    run = readme_run(readme_runs, SEED)
+    _, _, seed = run.stdout.partition("every parameter equal on 2 ranks\n")  # after the block's dropout run
+    assert "exit status 1" in seed, run.describe()
+    redrawn = re.search(r"model\.module\.(\w+)\[(\d+)\]\.reset_parameters\(\)  # BUG", BUGS.read_text())
+    assert redrawn, "bugs.py draws no layer after DDP(...)"
+    found = re.search(r"replica check: step (\d+): parameter (\S+) differs between ranks \(checksums (\S+), (\S+)\)",
+                      seed)
+    assert found, run.stdout
+    step, name, rank0, rank1 = found.groups()
+    assert (step, name) == ("0", f"{redrawn.group(1)}.{redrawn.group(2)}.weight"), found.group(0)
+    assert float(rank0) != float(rank1), found.group(0)
+    # The first parameter that differs: those before it, drawn before DDP(...) from the same seeds, were broadcast.
+    assert param_names(bugs.stage.Net()).index(name) > 0, name
 
 
 def param_names(model) -> list[str]:
@@ -232,6 +268,16 @@ def test_an_exception_on_one_rank_ends_the_job_before_the_timeout_and_the_first_
     errors = re.findall(r"^\[rank (\d)\] (\w+Error): ", run.stdout, re.M)
     assert errors[:1] == [("1", "OutOfMemoryError")], run.stdout  # the first error line: the rank that started it
     assert any(rank == "0" for rank, _ in errors), run.stdout  # rank 0 fails too, on rank 1's exit
+    # torchrun's summary: each failure it saw, stamped to the second when it saw it; the Root Cause the earliest stamp.
+    summary = run.stdout.partition("debugging/bugs.py FAILED")[2]
+    failures, _, root = summary.partition("Root Cause (first observed failure):")
+    entry = r"time\s+: (\S+)\n.*?rank\s+: (\d+) \(local_rank: \d+\)\n\s+exitcode\s+: (-?\d+)"
+    listed = {int(r): (t, int(code)) for t, r, code in re.findall(entry, failures + root, re.S)}
+    (root_time, root_rank, _), = re.findall(entry, root, re.S)
+    assert listed.get(1, (None, None))[1] == 1, run.stdout  # the rank that started it: exit code 1
+    assert all(root_time <= t for t, _ in listed.values()), listed  # stamps in ISO form: they sort as text
+    # It names rank 1 unless rank 0's echo carries the same second: then the lower rank wins the tie.
+    assert int(root_rank) == 1 or listed[1][0] == root_time, (root_rank, listed)
 
 
 @pytest.mark.readme_run(SENDRECV_SYNC)
