@@ -114,7 +114,11 @@ def test_a_killed_launch_takes_its_ranks_with_it(tmp_path):
             if len(pids) == 2:
                 ranks.extend(pids)
                 for pid in job.members():  # the launch, not the ranks (forked from the server: its command line)
-                    if "--serve" not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                    try:
+                        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                    except FileNotFoundError:  # a member that ended since it was listed (seen under load)
+                        continue
+                    if "--serve" not in cmdline:
                         os.kill(pid, signal.SIGKILL)
                 return
             time.sleep(0.02)
