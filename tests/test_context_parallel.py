@@ -4,7 +4,8 @@ another layout, and refuses bad combinations in one line. (The pipeline, and all
 13's: tests/test_pipeline_4d.py.)
 
 Six launches of a tiny model (2 blocks, 2 heads, width 32, context 24: it splits into 2 cp chunks of 2, 3 or 4
-ranks), float64, at a seed drawn for the session (hidden from the code under test; printed with every failure):
+ranks), float64, at a seed drawn for the session (hidden from the code under test; printed with every failure), on
+the first 24,000 characters of tiny Shakespeare (harness.small_corpus: every layout scores the held-out tenth whole):
 
     one      python, batch 4, 8 steps, a checkpoint every 4 (its trajectory: the state at 0, 4, 8): the reference
     cp2      torchrun 2: dp 1 x cp 2, ring attention, zigzag, DDP over the cp ranks, 8 steps
@@ -24,7 +25,7 @@ import random
 
 import pytest
 
-from harness import ROOT, Run, Step, mutate, run_chains, tolerance
+from harness import ROOT, Run, Step, mutate, run_chains, small_corpus, tolerance
 from test_gpt import gaps, refusal, refused_in_one_line
 
 STAGE = "12_context_parallel"
@@ -65,6 +66,7 @@ def runs(tmp_path_factory) -> dict[str, Run]:
     tmp = tmp_path_factory.mktemp("cp")
     print(f"seed {SEED}: CONTEXT_PARALLEL_SEED={SEED} reruns it")  # shown with any failure of the tests below
     broken = mutate(STAGE, RING, SHORT, tmp / "broken_stage")
+    data = ("--data", str(small_corpus(tmp)))  # every run's, the reference's too
     chains = {  # the 4-process ones first, so that the smaller ones fill in beside them
         "dpcp": [step(4, "--cp", "2", "--parallel", "fsdp", "--batch-size", "2", "--max-steps", "4",
                       "--decay-steps", "8", "--snapshot", str(tmp / "ck_dpcp")),
@@ -76,7 +78,7 @@ def runs(tmp_path_factory) -> dict[str, Run]:
                      "--snapshot", str(tmp / "ck_cp3"))],
         "broken": [step(2, *CP2, "--snapshot", str(tmp / "ck_broken"))],
     }
-    return run_chains(chains, tmp, names={"dpcp": ["dpcp", "tpcp"]}, scripts={"broken": broken})
+    return run_chains(chains, tmp, names={"dpcp": ["dpcp", "tpcp"]}, scripts={"broken": broken}, args=data)
 
 
 def equals_one_process(run: Run, one: Run, steps: list[int], layout: str) -> None:
