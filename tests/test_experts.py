@@ -3,10 +3,11 @@
 a planted bug in each part of expert parallelism is caught.
 
 tests/test_context_parallel.py's tiny model (2 blocks, 2 heads, width 32, context 24) with 4 experts a block, each
-token to 2, float64, at that module's seed (drawn for the session; printed with every failure). Two references, as one
-process: `one` (batch 4) and `one_acc` (batch 4 in 2 micro-batches: the balancing loss counts its load per
-micro-batch, so a layout equals the reference with the same micro-batches: its ranks' micro-batch i together is the
-reference's micro-batch i):
+token to 2, float64, at that module's seed (drawn for the session; printed with every failure), on the first
+24,000 characters of tiny Shakespeare (harness.small_corpus: a held-out tenth every layout scores whole). Two
+references, as one process: `one` (batch 4) and `one_acc` (batch 4 in 2 micro-batches: the balancing loss counts its
+load per micro-batch, so a layout equals the reference with the same micro-batches: its ranks' micro-batch i together
+is the reference's micro-batch i):
 
     ep4      torchrun 4: ep 4 (an expert a rank), DDP, batch 1: `one`
     ep2      torchrun 2: ep 2, DDP, batch 2 x 2 micro-batches: `one_acc`
@@ -49,6 +50,7 @@ from harness import (
     load_stage,
     mutate,
     run_chains,
+    small_corpus,
     time_limit,
     tolerance,
 )
@@ -92,6 +94,7 @@ def step(nproc: int, *args: str) -> Step:
 def runs(tmp_path_factory) -> dict[str, Run]:
     tmp = tmp_path_factory.mktemp("experts")
     print(f"seed {SEED}: CONTEXT_PARALLEL_SEED={SEED} reruns it")  # shown with any failure of the tests below
+    data = ("--data", str(small_corpus(tmp)))  # every run's, the references' too
     ck = str(tmp / "ck_dpep")
     chains = {  # the 4- then 16-process one first, so that the smaller ones fill in beside it
         "dpep": [step(4, *DPEP, "--parallel", "fsdp", *SHORT, "--snapshot", ck),
@@ -110,9 +113,9 @@ def runs(tmp_path_factory) -> dict[str, Run]:
     scripts = {bug: mutate(STAGE, old, new, tmp / f"{bug}_stage") for bug, (old, new, _) in BUGS.items()}
     found = run_chains(chains, tmp, names={"dpep": ["dpep", "five"], "ep4": ["ep4", "dpep_ddp"],
                                            "one": ["one", "drop_one"], "cap": ["cap", "drop"]},
-                       scripts={k: v for k, v in scripts.items() if k in chains})
+                       scripts={k: v for k, v in scripts.items() if k in chains}, args=data)
     # The split bug may end the job (the sizes disagree) or train on: it is launched unchecked.
-    found["splits"] = launch(step(2, *EP2, *SHORT), out=tmp / "splits", script=scripts["splits"],
+    found["splits"] = launch(step(2, *EP2, *SHORT, *data), out=tmp / "splits", script=scripts["splits"],
                              timeout=time_limit(programs=2))
     return found
 
