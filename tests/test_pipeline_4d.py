@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import Run, Step, mutate, run_chains, tolerance
+from harness import Run, Step, mutate, run_chains, small_corpus, tolerance
 from test_context_parallel import ONE, SEED, TINY, compare, equals_one_process
 from test_gpt import refusal, refused_in_one_line
 
@@ -39,7 +39,8 @@ def step(nproc: int, *args: str) -> Step:
 
 PP2 = ("--pp", "2", "--parallel", "fsdp", "--batch-size", "1", "--accumulate", "4", "--max-steps", "8")
 # The schedules of several stages a rank (--stages-per-rank 2, pp 2: 4 stages) need 4 blocks: the tiny model with 4,
-# 3 steps (a checkpoint at 2), against its own one-process reference.
+# 3 steps (a checkpoint at 2), on harness.small_corpus (its held-out loss scored by every run), against its own
+# one-process reference.
 V4 = ("--layers", "4", "--max-steps", "3", "--save-every", "2")
 PPV = (*V4, "--pp", "2", "--stages-per-rank", "2", "--parallel", "fsdp", "--batch-size", "1")
 
@@ -49,6 +50,7 @@ def runs(tmp_path_factory) -> dict[str, Run]:
     tmp = tmp_path_factory.mktemp("pp")
     print(f"seed {SEED}: CONTEXT_PARALLEL_SEED={SEED} reruns it")  # shown with any failure of the tests below
     ppclip = mutate(STAGE, PP_NORM, "", tmp / "ppclip_stage")
+    small = ("--data", str(small_corpus(tmp)))
     chains = {  # the 4- then 16-process one first, so that the smaller ones fill in beside it
         "dppp": [step(4, "--pp", "2", "--pp-schedule", "gpipe", "--parallel", "fsdp", "--batch-size", "1",
                       "--accumulate", "2", "--max-steps", "4", "--decay-steps", "8",
@@ -58,13 +60,13 @@ def runs(tmp_path_factory) -> dict[str, Run]:
         "one": [step(1, *ONE, "--snapshot", str(tmp / "ck_one"))],
         "pp2": [step(2, *PP2, "--snapshot", str(tmp / "ck_pp2"))],
         "ppclip": [step(2, *PP2, "--snapshot", str(tmp / "ck_ppclip"))],
-        "one4": [step(1, *V4, "--batch-size", "4", "--snapshot", str(tmp / "ck_one4"))],
-        "dualpipev": [step(2, *PPV, "--pp-schedule", "dualpipev", "--accumulate", "4", "--max-steps", "2",
+        "one4": [step(1, *V4, *small, "--batch-size", "4", "--snapshot", str(tmp / "ck_one4"))],
+        "dualpipev": [step(2, *PPV, *small, "--pp-schedule", "dualpipev", "--accumulate", "4", "--max-steps", "2",
                            "--decay-steps", "3", "--snapshot", str(tmp / "ck_v")),
-                      step(2, *PPV, "--pp-schedule", "interleavedzb", "--accumulate", "4",
+                      step(2, *PPV, *small, "--pp-schedule", "interleavedzb", "--accumulate", "4",
                            "--snapshot", str(tmp / "ck_v"))],
-        "interleaved1f1b": [step(2, *PPV, "--pp-schedule", "interleaved1f1b", "--accumulate", "4")],
-        "dpzbv": [step(4, *PPV, "--pp-schedule", "zbv", "--accumulate", "2")],
+        "interleaved1f1b": [step(2, *PPV, *small, "--pp-schedule", "interleaved1f1b", "--accumulate", "4")],
+        "dpzbv": [step(4, *PPV, *small, "--pp-schedule", "zbv", "--accumulate", "2")],
     }
     return run_chains(chains, tmp, names={"dppp": ["dppp", "full"], "dualpipev": ["dualpipev", "interleavedzb"]},
                       scripts={"ppclip": ppclip})
