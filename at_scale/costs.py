@@ -71,6 +71,8 @@ class Layout:
     schedule: str = "1f1b"  # the pipeline's: "1f1b" or "gpipe" (the stages' two)
     ac: str = "none"  # activation checkpointing (the stages' --ac): "full", each block keeps its input alone and
     #                   recomputes the rest in backward; "selective", it keeps its matmuls' and attention's outputs too
+    sp: bool = False  # sequence parallelism (the stages' --sp, with tp): between the blocks' matmuls the residual
+    #                   stream and the norms split by sequence over tp, the head by vocabulary, the loss on its pieces
     precision: str = "float32"  # "float32": everything (the stages' default); "bf16": compute and activations in
     #                             bfloat16, the weights, gradients and AdamW's moments float32 (the stages' --amp bf16)
 
@@ -85,7 +87,7 @@ class Layout:
     def describe(self) -> str:
         dims = " x ".join(f"{d} {getattr(self, d)}" for d in ("dp", "tp", "pp", "cp", "ep") if getattr(self, d) > 1)
         return f"{dims or 'one rank'} {self.parallel}, micro-batch {self.micro_batch} x {self.accumulate}" + \
-            (f", --ac {self.ac}" if self.ac != "none" else "")
+            (f", --ac {self.ac}" if self.ac != "none" else "") + (", --sp" if self.sp else "")
 
 
 # ─── Parameters: the tensors each rank holds ───────────────────────────────────────────────────────────────────────
@@ -118,15 +120,22 @@ def stage_blocks(layers: int, pp: int, stage: int) -> int:
     return size + (stage < extra)
 
 
-def root_tensors(m: Model, tp: int, first: bool, last: bool) -> list[tuple[int, int, str]]:
-    """The embeddings (first stage), the final norm and the head (last stage)."""
+def root_tensors(m: Model, tp: int, first: bool, last: bool, sp: bool = False) -> list[tuple[int, int, str]]:
+    """The embeddings (first stage), the final norm and the head (last stage). --sp splits the head over tp by
+    vocabulary (13_pipeline_4d/parallelize.py SP_AROUND: the loss on its pieces), not the stages' embeddings."""
     v = m.vocab // tp if m.vocab_over_tp else m.vocab
     t: list[tuple[int, int, str]] = []
     if first:
         t += [(v, m.width, "vocab")] + ([(m.context, m.width, "replicated")] if m.learned_positions else [])
     if last:
-        t += [(m.width, 1, "replicated")] * (2 if m.biases else 1) + [(v, m.width, "vocab")]
+        t += [(m.width, 1, "replicated")] * (2 if m.biases else 1) + [(head_vocab(m, tp, sp), m.width, "vocab")]
     return t
+
+
+def head_vocab(m: Model, tp: int, sp: bool) -> int:
+    """The head's rows, and the logits' columns, on one rank: split over tp under --sp (or where the model splits
+    its vocabulary: Llama 3's runs)."""
+    return m.vocab // tp if m.vocab_over_tp or sp else m.vocab
 
 
 def parameters(m: Model) -> int:
@@ -184,7 +193,7 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
     n = lay.dp_cp  # the ranks that hold copies (DDP) or shards (FSDP2) of the same weights
     blocks = stage_blocks(m.layers, lay.pp, stage)
     per_block = block_tensors(m, lay.tp, lay.ep)
-    root = root_tensors(m, lay.tp, first, last)
+    root = root_tensors(m, lay.tp, first, last, lay.sp)
     whole = [t for t in per_block if t[2] != "expert" or lay.ep == 1]  # what DDP or FSDP2 hold
     own = [t for t in per_block if t[2] == "expert" and lay.ep > 1]  # stage 14: a rank's experts, its own
     f4, act = 4, BYTES["bfloat16" if lay.precision == "bf16" else "float32"]  # state bytes; activations' and sends'
@@ -241,7 +250,28 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
     if own and lay.dp_cp // lay.ep > 1:  # stage 14: the experts' gradients all-reduced over their replicas
         add("all_reduce", "ep_replicas", blocks * len(own), own_elems / len(own) * f4,
             ring("all_reduce", lay.dp_cp // lay.ep))
-    if lay.tp > 1:  # per block and micro-batch: two all-reduces forward, four backward (TP_PLAN); experts: 1 + 3.
+    if lay.tp > 1 and lay.sp:  # SP_PLAN, per block and micro-batch: the attention's and the MLP's input all-gathered
+        # (a rank hands over its t / tp tokens), the row-wise layers' sums reduce-scattered (the whole stream handed
+        # over), forward; backward the reverse, 2 + 2 (q, k and v's input gradients summed before one). --ac reruns
+        # the forward's all-gathers (full and selective: KEEP keeps the reduce-scatters, not them) and full the
+        # attention's reduce-scatter (its rerun stops before the MLP's last matmul).
+        gathers = 4 + 2 * (lay.ac != "none")
+        add("all_gather", "tp", blocks * acc * gathers, stream / lay.tp * act, ring("all_gather", lay.tp))
+        add("reduce_scatter", "tp", blocks * acc * (4 + (lay.ac == "full")), stream * act,
+            ring("reduce_scatter", lay.tp))
+        # Around the blocks, each micro-batch (SP_AROUND): the first stage's embeddings hand back their outputs'
+        # gradients all-gathered (the tokens', the positions'); the last all-gathers the head's input forward and
+        # reduce-scatters its gradient, and the loss on the logits' pieces all-reduces three numbers a token
+        # (loss_parallel: the max, the sum of exponentials, the target's logit; float32).
+        add("all_gather", "tp", acc * ((1 + m.learned_positions) * first + last), stream / lay.tp * act,
+            ring("all_gather", lay.tp))
+        add("reduce_scatter", "tp", acc * last, stream * act, ring("reduce_scatter", lay.tp))
+        add("all_reduce", "tp", acc * 3 * last, tokens * 4, ring("all_reduce", lay.tp))
+        # The norms' weight gradients, a part on each tp rank (its tokens'), summed over tp: once a step, when
+        # FSDP2 reduces the gradients (split_over_tp says why).
+        norms = blocks * (4 if m.biases else 2) + last * (2 if m.biases else 1)
+        add("all_reduce", "tp", norms, m.width * f4, ring("all_reduce", lay.tp))
+    elif lay.tp > 1:  # per block and micro-batch: two all-reduces forward, four backward (TP_PLAN); experts: 1 + 3.
         # --ac full reruns the forward in backward up to the MLP's last matmul (torch's checkpoint stops there): the
         # attention's row-wise all-reduce once more. (selective keeps the all-reduce's output: KEEP.)
         per = (6 if not m.experts else 4) + (lay.ac == "full")
@@ -256,11 +286,12 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
             add(kind, "cp", blocks * acc * lay.cp, kv * max(act, 4), factor)
     if lay.pp > 1:  # the residual stream forward to the next stage, its gradient back to the previous one
         for kind, factor in (("send", 1), ("recv", 0)):
-            add(kind, "pp", acc * ((not last) + (not first)), stream * act, factor)
+            add(kind, "pp", acc * ((not last) + (not first)), stream // (lay.tp if lay.sp else 1) * act, factor)
     # The gradient's norm (parallelize.py clip_gradients): a float32 number summed over each mesh its DTensor
     # gradients lie on (FSDP2's dp x cp; tp's layers' dp x cp and tp), then over the pipeline's stages.
+    # (--sp: the norms and the head lie on both meshes too: the dp x cp mesh alone holds the first stage's embeddings)
     if lay.parallel == "fsdp":
-        add("all_reduce", "dp_cp", 1 + (lay.tp > 1), 4, ring("all_reduce", n))
+        add("all_reduce", "dp_cp", 1 + (lay.tp > 1 and (first or not lay.sp)), 4, ring("all_reduce", n))
     add("all_reduce", "tp", int(lay.tp > 1), 4, ring("all_reduce", lay.tp))
     add("all_reduce", "pp", int(lay.pp > 1), 4, ring("all_reduce", lay.pp))
     if m.experts and lay.ep > 1:  # every token's k rows to their experts and back, forward and backward: an even load
@@ -275,7 +306,7 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
 
     # ── activations ── (per block and micro-batch, in units of the residual stream: Korthikanti et al. 2022's count,
     # redone for this code: no dropout, attention by a fused kernel that keeps no score matrix)
-    kept = block_kept_units(m, lay.tp, lay.ac)
+    kept = block_kept_units(m, lay.tp, lay.ac, lay.sp)
     saved_block = stream * act * kept
     if lay.pp > 1:
         in_flight = acc if lay.schedule == "gpipe" else min(acc, lay.pp - stage)
@@ -283,7 +314,7 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         in_flight = 1
     peak = in_flight * blocks * saved_block
     # A checkpointed block's backward first rebuilds what it did not keep: one block's worth, beside the rest.
-    rebuilt = stream * act * block_recomputed_units(m, lay.tp, lay.ac)
+    rebuilt = stream * act * block_recomputed_units(m, lay.tp, lay.ac, lay.sp)
     if lay.ac == "full":  # and it starts at the MLP's last matmul: beside the rebuilt block, the gradient arriving,
         # the one made for the matmul's input (ffn / width / tp) and its weight's (ffn x width / tp; under FSDP2 the
         # unit's whole gradient, counted below)
@@ -295,12 +326,20 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         # receives and the one it makes, three [tokens, vocab] in float32. Under a pipeline the loss is computed as
         # each micro-batch's forward ends, and torch's stage keeps its output, the logits, for its backward: two
         # such tensors a micro-batch in flight, and the two gradients.
-        v = m.vocab // lay.tp if m.vocab_over_tp else m.vocab
+        v = head_vocab(m, lay.tp, lay.sp)
         loss = (2 * in_flight + 2 if lay.pp > 1 else 3) * tokens * v * 4
         if lay.parallel != "fsdp":  # or, later, the head's backward: the logits' gradient, and the head's weight
             # gradient made whole before DDP copies it into its bucket (float32)
             loss = max(loss, tokens * v * 4 + v * m.width * 4)
-        last_terms = 2 * stream * act + loss
+        last_terms = (1 + (1 / lay.tp if lay.sp else 1)) * stream * act + loss  # (--sp: the norm's input split)
+        if lay.sp:  # loss_parallel works on the logits' pieces, [tokens, vocab / tp]. While it runs, the rank holds
+            # its logits (a piece a micro-batch in flight, two under a pipeline) and two [tokens, vocab] whole, as
+            # torch's memory trackers count them: DTensor infers the output shape of log-softmax and of its backward
+            # on the whole tensor (seen in the simulation: aten._log_softmax and nll_loss_backward on [tokens, vocab],
+            # the local ops on [tokens, vocab / tp]). Whether a GPU's allocator holds those two is not checked here;
+            # counted, the planner may overstate the last stage by 8 bytes a token and vocabulary entry.
+            at_loss = in_flight * blocks * saved_block + last_terms - loss + \
+                (2 * in_flight if lay.pp > 1 else 1) * tokens * v * 4 + 2 * tokens * m.vocab * 4
     # --ac full: the loss's tensors are gone when the last block's backward rebuilds it; else both are counted
     peak += max(rebuilt, last_terms) if lay.ac == "full" else rebuilt + last_terms
     if lay.parallel == "fsdp" and n > 1:
@@ -315,13 +354,17 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         table = m.vocab // (lay.tp if m.vocab_over_tp else 1) * m.width * f4 if first and lay.pp > 1 else 0
         peak = max(peak + (root_elems + 2 * block_elems) * g + grads_whole + table,
                    2 * root_elems * g + (full * f4 if acc > 1 and lay.pp == 1 else 0))
+        if lay.sp and last:  # (at the loss: the root gathered, no block; the gradients accumulating, if they do)
+            at_loss += root_elems * g + (full * f4 if acc > 1 or lay.pp > 1 else 0)
+    if lay.sp and last:
+        peak = max(peak, at_loss)
     # ── FLOPs ── (FlopCounterMode's: a matmul 2mnk forward, twice that backward; attention the whole score matrix)
     flops = model_flops(m, lay, blocks, first, last)
     recompute = recomputed_flops(m, lay, blocks)
     return Rank(state_params, state_grads, optimizer, int(peak), sent, flops, recompute)
 
 
-def block_activation_units(m: Model, tp: int) -> float:
+def block_activation_units(m: Model, tp: int, sp: bool = False) -> float:
     """Bytes a block saves for its backward, in units of its input (the residual stream): the two norms' inputs and
     outputs (4, whole on every tp rank), and this rank's heads' q, k and v, the attention's output and the
     projection's input (a copy: 5 / tp), the MLP's two inner activations (8 / tp; SwiGLU's w1 x, w3 x, silu(w1 x) and
@@ -335,7 +378,11 @@ def block_activation_units(m: Model, tp: int) -> float:
         mlp = 4 * m.ffn / w / tp
     else:
         mlp = 2 * m.ffn / w / tp
-    return 4 + attention + mlp
+    # --sp: the norms' inputs split over tp (2 / tp); their outputs all-gathered, as q, k, v's and the MLP's input,
+    # are kept whole by those matmuls (torch saves a matmul's input as it is: Korthikanti et al. keep it split and
+    # all-gather it again in backward)
+    norms = 2 + 2 / tp if sp else 4
+    return norms + attention + mlp
 
 
 AC = ("none", "full", "selective")  # activation checkpointing, as the stages' --ac
@@ -354,12 +401,25 @@ def unmodelled_ac(m: Model, ac: str, cp: int) -> str | None:
     return None
 
 
+def unmodelled_sp(m: Model, ac: str, sp: bool) -> str | None:
+    """Why these formulas do not model --sp with this model and --ac (None: they do, or sp is off). plan.py leaves
+    such layouts out and refuses them as flags; rank_costs raises."""
+    if sp and m.experts:  # (stage 14 routes each tp rank's own tokens under --sp: not counted here)
+        return "sequence parallelism with experts is not modelled"
+    if sp and ac == "selective":  # (its traffic is known: KEEP keeps the reduce-scatters, reruns the all-gathers;
+        # what it keeps and rebuilds beside them has not been counted against the simulation)
+        return "selective with sequence parallelism (--sp) is not modelled"
+    return None
+
+
 def check_ac(m: Model, lay: Layout) -> None:
-    if (why := unmodelled_ac(m, lay.ac, lay.cp)) is not None:
+    if (why := unmodelled_ac(m, lay.ac, lay.cp) or unmodelled_sp(m, lay.ac, lay.sp)) is not None:
         raise ValueError(why)
+    if lay.sp and lay.tp == 1:
+        raise ValueError("--sp splits the sequence over tp: it needs tp 2 or more")
 
 
-def block_kept_units(m: Model, tp: int, ac: str) -> float:
+def block_kept_units(m: Model, tp: int, ac: str, sp: bool = False) -> float:
     """What a block keeps for its backward under --ac, in units of its input. full: the input alone. selective
     (parallelize.py KEEP): the input, and the outputs of its matmuls and attention: q, k, v and the attention's
     (this rank's heads: (2 + 2 kv) / tp), the projection's (whole, its partial sum; under tp its all-reduced sum
@@ -367,16 +427,16 @@ def block_kept_units(m: Model, tp: int, ac: str) -> float:
     GELU and the adds are recomputed from those. (At tp 4 and more selective keeps more than none: the row-wise
     layers' sums are whole on every tp rank, and none keeps neither.)"""
     if ac == "none":
-        return block_activation_units(m, tp)
-    if ac == "full":  # (with experts, not modelled: check_ac)
-        return 1.0
+        return block_activation_units(m, tp, sp)
+    if ac == "full":  # (with experts, not modelled: check_ac) (--sp: its input is split over tp)
+        return 1 / tp if sp else 1.0
     kv = m.kv_heads * m.head_size / m.width
     rowwise = 2 if tp > 1 else 1  # the row-wise layer's output, and the all-reduce's
     inner = (2 if m.mlp == "swiglu" else 1) * m.ffn / m.width / tp
     return 1 + (2 + 2 * kv) / tp + rowwise + inner + rowwise
 
 
-def block_recomputed_units(m: Model, tp: int, ac: str) -> float:
+def block_recomputed_units(m: Model, tp: int, ac: str, sp: bool = False) -> float:
     """What a checkpointed block rebuilds for its backward, held beside what it kept, in units of its input. full:
     all it did not keep (its forward but the MLP's output). selective: what KEEP leaves out: the two norms' outputs
     and the residual sum between attention and MLP (whole on every tp rank: 3), the attention's output reshaped for
@@ -384,7 +444,7 @@ def block_recomputed_units(m: Model, tp: int, ac: str) -> float:
     if ac == "none":
         return 0.0
     if ac == "full":
-        return block_activation_units(m, tp) - 1
+        return block_activation_units(m, tp, sp) - block_kept_units(m, tp, ac, sp)
     return 3 + 1 / tp + (2 if m.mlp == "swiglu" else 1) * m.ffn / m.width / tp
 
 
@@ -415,6 +475,6 @@ def flops_forward_blocks(m: Model, lay: Layout, blocks: int) -> float:
 def model_flops(m: Model, lay: Layout, blocks: int, first: bool, last: bool) -> float:
     """FLOPs of one step on this rank: forward and backward (twice the forward) of its blocks and head."""
     tokens = lay.micro_batch * m.context // lay.cp * lay.accumulate
-    head = 2 * tokens * m.width * (m.vocab // lay.tp if m.vocab_over_tp else m.vocab) if last else 0
+    head = 2 * tokens * m.width * head_vocab(m, lay.tp, lay.sp) if last else 0
     return 3 * (flops_forward_blocks(m, lay, blocks) + head)
 

@@ -228,6 +228,10 @@ LLAMA3_405B_TRAINING: dict[str, Fact] = {
     "pod_gpus": Fact(3072, f"{P} 3.3.1 (p. 9): pods of 3,072 GPUs 'with full bisection bandwidth'; between pods 'an "
                            "oversubscription ratio of 1:7'"),
     "mesh_order": Fact("tp, cp, pp, dp", f"{P} 3.3.2 (p. 12): '[TP, CP, PP, DP]', innermost first: TP in a server"),
+    "tensor_parallelism": Fact("Megatron's, with sequence parallelism (cited, not named)",
+                               f"{P} 3.3.2: 'It combines tensor parallelism (TP; Krizhevsky et al. (2012); Shoeybi et "
+                               "al. (2019); Korthikanti et al. (2023))': Korthikanti et al. introduced sequence "
+                               "parallelism; the paper does not name it in words"),
     "dp": Fact("FSDP, weights kept gathered from forward to backward",
                f"{P} 3.3.2 (p. 10): 'Our use of FSDP for Llama 3 shards optimizer states and gradients, but for model "
                "shards we do not reshard after forward computation to avoid an extra all-gather communication during "

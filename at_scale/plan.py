@@ -3,7 +3,8 @@
     python at_scale/plan.py --model llama3-8b --gpus 8 --gpu h100 --context 8192 --global-batch-tokens 1048576
 
 For every way to split the job (dp x tp x pp x cp, ep for experts; DDP, ZeRO-1, ZeRO-2 or FSDP over the dp x cp ranks;
-the micro-batch; activation checkpointing none, full or selective), costs.py counts what each rank holds, sends and
+the micro-batch; activation checkpointing none, full or selective; sequence parallelism on or off where tp > 1),
+costs.py counts what each rank holds, sends and
 computes in a step (the formulas simulate.py checks against the stages' own code), and this file turns them into
 memory per GPU and time per step on the GPUs of hardware.py (each figure there with its source; nothing fitted to
 the runs it is checked against). A layout fits if its busiest rank's state and activation peak fit in the GPU's
@@ -190,11 +191,12 @@ def layouts(m: Model, gpus: int, gpus_per_node: int, sequences: int, fixed: dict
                             if parallel == "ddp" and (pp > 1 or tp > 1) or \
                                     parallel in ("zero1", "zero2") and dp != gpus:
                                 continue  # the stages split layers (tp, pp) under FSDP2; zero_by_hand is dp alone
-                            for ac in costs.AC:
-                                if costs.unmodelled_ac(m, ac, cp) is not None:
-                                    continue
+                            for ac, sp in ((ac, sp) for ac in costs.AC for sp in (False, True)):
+                                if costs.unmodelled_ac(m, ac, cp) is not None or (sp and (
+                                        tp == 1 or m.context % (cp * tp) or costs.unmodelled_sp(m, ac, sp))):
+                                    continue  # (--sp: the stages' check, tp dividing each cp share)
                                 lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, parallel=parallel, micro_batch=mb,
-                                             accumulate=acc, ac=ac, precision="bf16")
+                                             accumulate=acc, ac=ac, sp=sp, precision="bf16")
                                 if all(getattr(lay, k) == v for k, v in fixed.items()):
                                     out.append(lay)
     return out
@@ -211,19 +213,20 @@ def plan(m: Model, gpus: int, gpu: hardware.GPU, gpus_per_node: int, batch_token
 
 def llama3_rows() -> list[str]:
     """at_scale/README.md's table: each of Llama 3 405B's published layouts (hardware.LLAMA3_405B_RUNS), micro-batch
-    1 under FSDP, predicted by the planner with the least recomputation that fits (--ac none, else selective, else
-    full: what a run would choose)."""
+    1 under FSDP, with sequence parallelism (hardware.LLAMA3_405B_TRAINING["tensor_parallelism"]), predicted by the
+    planner with the least recomputation that fits (--ac none, else full: what a run would choose; selective with
+    --sp is not modelled)."""
     out = []
     for run in hardware.LLAMA3_405B_RUNS:
         m = replace(costs.PRESETS["llama3-405b"], context=run.sequence)
-        fixed = dict(tp=run.tp, pp=run.pp, cp=run.cp, dp=run.dp, micro_batch=1, parallel="fsdp")
-        preds = [p for ac in ("none", "selective", "full")
+        fixed = dict(tp=run.tp, pp=run.pp, cp=run.cp, dp=run.dp, micro_batch=1, parallel="fsdp", sp=True)
+        preds = [p for ac in ("none", "full")
                  for p in plan(m, run.gpus, hardware.GPUS["h100"], 8, run.tokens_per_batch, {**fixed, "ac": ac})]
         p = next((p for p in preds if p.fits), preds[-1])
         out.append(f"| {run.gpus:,} | {run.tp} | {run.cp} | {run.pp} | {run.dp} | {run.sequence:,} | "
                    f"{run.flops_per_gpu / 1e12:.0f} | {p.flops_per_gpu / 1e12:.0f} "
                    f"({p.flops_per_gpu / run.flops_per_gpu - 1:+.0%}) | "
-                   f"{'yes' if p.fits else 'no'}: {p.memory['total'] / 1e9:.1f} GB, --ac {p.layout.ac} |")
+                   f"{'yes' if p.fits else 'no'}: {p.memory['total'] / 1e9:.1f} GB, --ac {p.layout.ac} --sp |")
     return out
 
 
@@ -262,6 +265,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parallel", choices=PARALLEL, help="only layouts that hold the state so")
     p.add_argument("--micro-batch", type=positive(int), help="only layouts with this micro-batch")
     p.add_argument("--ac", choices=costs.AC, help="only layouts with this activation checkpointing (the stages' --ac)")
+    p.add_argument("--sp", choices=("yes", "no"),
+                   help="only layouts with (yes) or without (no) sequence parallelism (the stages' --sp, with tp)")
     p.add_argument("--show", type=positive(int), default=10, help="rows of the table")
     p.add_argument("--out", type=Path, help="write plan.json (every layout considered) and plan.png here")
     args = p.parse_args(argv)
@@ -292,13 +297,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if (why := costs.unmodelled_ac(args.model_, args.ac, args.cp or 1)) is not None:
             p.error(f"argument --ac: {why}; choose another --ac or leave it out (costs.unmodelled_ac)")
         args.fixed["ac"] = args.ac
+    if args.sp is not None:
+        if args.sp == "yes" and args.tp == 1:
+            p.error("argument --sp: sequence parallelism splits the sequence over tp; --tp 1 has none (use --tp 2 or "
+                    "more, or leave --tp out)")
+        if (why := costs.unmodelled_sp(args.model_, args.ac or "none", args.sp == "yes")) is not None:
+            p.error(f"argument --sp: {why}; use --sp no or leave it out (costs.unmodelled_sp)")
+        args.fixed["sp"] = args.sp == "yes"
     return args
 
 
 def row(p: Prediction) -> list[str]:
     lay, GB = p.layout, 1e9
     return [f"{lay.dp}", f"{lay.tp}", f"{lay.pp}", f"{lay.cp}"] + ([f"{lay.ep}"] if lay.ep > 1 else []) + [
-        lay.parallel, f"{lay.micro_batch} x {lay.accumulate}", lay.ac,
+        lay.parallel, f"{lay.micro_batch} x {lay.accumulate}", lay.ac, "yes" if lay.sp else "no",
         f"{p.memory['total'] / GB:,.1f}", f"{p.seconds['total']:,.2f}", f"{p.tokens_per_s:,.0f}",
         f"{p.flops_per_gpu / 1e12:,.0f}", f"{p.mfu:.0%}"]
 
@@ -358,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
               f"({best.layout.describe()})")
     else:
         head = ["dp", "tp", "pp", "cp"] + (["ep"] if m.experts else []) + [
-            "state", "micro-batch", "ac", "GB/GPU", "step s", "tokens/s", "TFLOP/s/GPU", "MFU"]
+            "state", "micro-batch", "ac", "sp", "GB/GPU", "step s", "tokens/s", "TFLOP/s/GPU", "MFU"]
         rows = [row(p) for p in fit[:args.show]]
         print_table([head, *rows])
     if args.out is not None:

@@ -4,15 +4,15 @@ fits.
 The formulas count, for one rank of a layout, the bytes of its parameters, gradients and AdamW's moments, the bytes it
 sends per collective and per grid dimension, and its activation peak. simulate.py measures the same from the stages'
 own code (stage 13's, stage 14's with experts) on a fake process group. At 1 billion parameters and more, at 64 to
-16,384 ranks, on 11 layouts spanning dp, tp, pp (1F1B and GPipe, first, middle and last stages), cp, ep, DDP and FSDP2
-(two of them under --ac selective, one under full):
+16,384 ranks, on 13 layouts spanning dp, tp, pp (1F1B and GPipe, first, middle and last stages), cp, ep, DDP and FSDP2
+(two of them under --ac selective, two under full; two with sequence parallelism, --sp, one of those under full):
 the state agrees exactly (within 1% is asked), every collective's calls exactly and its bytes within 1% (the rows
 that carry the model's tensors, 1 MiB and up; the gradient norm's few numbers by their calls), and the activation peak
 within 10% (the formulas: Korthikanti et al. 2022's count of what a block saves, redone for this code, and what FSDP2,
 DDP and torch's pipeline hold at the step's busiest moment; costs.py says each).
 
-The planner: Llama 3's exact parameter counts; Llama 3 405B's published layouts fit in 80 GB (with --ac full: the
-planner has no sequence parallelism) and do not without it; what cannot work is said: 405B by DDP
+The planner: Llama 3's exact parameter counts; Llama 3 405B's published layouts fit in 80 GB with sequence
+parallelism and --ac full, and do not without checkpointing; what cannot work is said: 405B by DDP
 or FSDP alone on 16,384 GPUs at 16M tokens a step (more replicas than sequences), 70B on one node of 8 GPUs (none
 fits).
 """
@@ -47,6 +47,10 @@ LAYOUTS = [
     (SHAPE_MOE, dict(dp=16, tp=4, ep=4, pp=2, parallel="fsdp", accumulate=4), 127),
     (SHAPE_MOE, dict(dp=32, ep=4, cp=2, parallel="ddp"), 9),
     (SHAPE_2B, dict(dp=32, cp=2), 3),  # DDP with cp: the head's backward is the busiest moment
+    # --sp: the all-gathers and reduce-scatters at the blocks' edges, the head split by vocabulary, the loss on its
+    # pieces (its busiest moment); under --ac full, what the second forward sends again, the gradients accumulating
+    (SHAPE_2B, dict(dp=16, tp=4, parallel="fsdp", sp=True), 0),
+    (SHAPE_2B, dict(dp=32, tp=2, parallel="fsdp", accumulate=2, ac="full", sp=True), 1),
 ]
 
 
@@ -55,7 +59,7 @@ def flags(shape: tuple, lay, rank: int) -> list[str]:
     out = ["--layers", layers, "--width", width, "--heads", heads, "--context", context, "--vocab", vocab,
            "--world", lay.world, "--tp", lay.tp, "--pp", lay.pp, "--cp", lay.cp, "--parallel", lay.parallel,
            "--micro-batch", lay.micro_batch, "--accumulate", lay.accumulate, "--pp-schedule", lay.schedule,
-           "--ac", lay.ac, "--rank", rank]
+           "--ac", lay.ac, "--rank", rank] + (["--sp"] if lay.sp else [])
     if experts:
         out += ["--experts", experts[0], "--top-k", experts[1], "--ep", lay.ep]
     return [str(f) for f in out]
@@ -105,9 +109,9 @@ def simulated(simulate):
 
 
 def test_the_formulas_are_the_simulation(plan, simulated):
-    """11 layouts at 1.35 to 1.87 billion parameters on 64 to 16,384 ranks, every dimension: the state, the bytes sent
+    """13 layouts at 1.35 to 1.87 billion parameters on 64 to 16,384 ranks, every dimension: the state, the bytes sent
     and the activation peak the formulas give for the rank are what the stages' own code does at that size."""
-    assert len(LAYOUTS) >= 11
+    assert len(LAYOUTS) >= 13 and any(layout.get("sp") for _, layout, _ in LAYOUTS)
     assert {d for _, layout, _ in LAYOUTS for d in layout if layout[d] != 1} >= {"dp", "tp", "pp", "cp", "ep"}
     sizes = [plan.costs.Layout(**layout).world for _, layout, _ in LAYOUTS]
     assert min(sizes) >= 64 and max(sizes) == 16384
@@ -121,7 +125,8 @@ def test_a_wrong_formula_is_seen(plan, simulated, monkeypatch):
     """The comparison sees a formula that is off: FSDP2 under a pipeline gathering a block twice a micro-batch (as
     without one) instead of once a micro-batch and once more; DDP's all-reduce counted as a reduce-scatter's bytes;
     --ac selective counted as none (what a block keeps, and nothing rebuilt); --ac full's recomputation sending
-    nothing."""
+    nothing; --sp counted as no sp (all-reduces in place of its all-gathers and reduce-scatters, the norms whole, the
+    head and the loss whole)."""
     costs = plan.costs
     pipelined = next(i for i, (_, lay, _) in enumerate(LAYOUTS) if lay.get("pp", 1) > 1)
     real = costs.rank_costs
@@ -149,6 +154,13 @@ def test_a_wrong_formula_is_seen(plan, simulated, monkeypatch):
     shape, layout, rank = LAYOUTS[full]
     found = differences(costs, shape, layout, rank, simulated[full])
     assert any("'tp'" in d for d in found) and any("'cp'" in d for d in found), found
+    monkeypatch.setattr(costs, "rank_costs", lambda m, lay, stage=0: real(m, dataclasses.replace(lay, sp=False),
+                                                                            stage))
+    for i in (i for i, (_, lay, _) in enumerate(LAYOUTS) if lay.get("sp")):
+        shape, layout, rank = LAYOUTS[i]
+        found = differences(costs, shape, layout, rank, simulated[i])
+        assert any(d.startswith("parameters:") for d in found) and any("('all_gather', 'tp')" in d for d in found) \
+            and any("activation peak" in d for d in found), found
 
 
 def test_llama3_presets_have_llama3s_parameters(plan):
@@ -163,14 +175,19 @@ def published(plan, run, **fixed):
 
 
 def test_llama3_405b_published_layouts_fit_with_checkpointing(plan):
-    """Each of Table 4's layouts, micro-batch 1: fits in 80 GB with --ac full, and not with none (a block keeps 4
-    residual-stream-sized tensors whole on every tp rank: no sequence parallelism in the planner) nor, where it is
-    modelled (cp 1), selective (at tp 8 it keeps as much as none)."""
+    """Each of Table 4's layouts, micro-batch 1: fits in 80 GB with --ac full, with sequence parallelism or without,
+    and not with none either way (16 micro-batches in flight on the first stage: with --sp a block still keeps its
+    matmuls' gathered inputs whole) nor, where it is modelled (cp 1, no sp), selective (at tp 8 it keeps as much as
+    none). Sequence parallelism divides what full keeps (a block's input) by tp: less memory."""
     for run in plan.hardware.LLAMA3_405B_RUNS:
-        full, none, selective = (published(plan, run, parallel="fsdp", ac=ac) for ac in ("full", "none", "selective"))
-        assert len(full) == len(none) == 1 and len(selective) == (run.cp == 1)
-        assert full[0].fits and full[0].memory["total"] <= 80e9, (run, full[0].memory)
-        assert not any(p.fits for p in none + selective), (run, none[0].memory)
+        full, full_sp, none, none_sp, selective = (
+            published(plan, run, parallel="fsdp", ac=ac, sp=sp)
+            for ac, sp in (("full", False), ("full", True), ("none", False), ("none", True), ("selective", False)))
+        assert len(full) == len(full_sp) == len(none) == len(none_sp) == 1 and len(selective) == (run.cp == 1)
+        for fits in (full[0], full_sp[0]):
+            assert fits.fits and fits.memory["total"] <= 80e9, (run, fits.memory)
+        assert full_sp[0].memory["total"] < full[0].memory["total"]
+        assert not any(p.fits for p in none + none_sp + selective), (run, none[0].memory)
         assert math.isclose(full[0].layout.accumulate * run.dp * run.sequence, run.tokens_per_batch)
 
 

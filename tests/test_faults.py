@@ -647,6 +647,7 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
                       (*PLAN, "--cp", "3"): "--cp", (*PLAN, "--ep", "2"): "--ep",  # no experts
                       ("--parallel", "zero4"): "--parallel", ("--micro-batch", "0"): "--micro-batch",
                       ("--ac", "some"): "--ac", ("--show", "0"): "--show",
+                      ("--sp", "maybe"): "--sp", (*PLAN, "--sp", "yes", "--tp", "1"): "--sp",  # no tp to split over
                       ("--gpus", "8", "--global-batch-tokens", "65536", "--layers", "2"): "--model",  # no width, heads
                       (*PLAN, "--out", "{file}/sub"): "--out"},
     # Without --measure it reads its measurements from --out: a folder without them is refused.
