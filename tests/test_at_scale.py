@@ -5,9 +5,9 @@ what the same rank measures in a real gloo job of the same stage and layout, wit
 (simulate.measure on real tensors): the bytes of its parameters, gradients and AdamW's moments exactly, the bytes it
 sends per collective and per dimension of the grid exactly (calls too), the FLOPs of its step exactly, and its
 activation peak (torch's MemTracker, FSDPMemTracker for FSDP2, on real tensors there) within 5%. Layouts: DDP,
-FSDP2, pp 2 (GPipe), cp 2, and pp 2 x cp 2 x tp 2 (1F1B, FSDP2) on 8 ranks; stage 14's experts over ep 2 of
-4 ranks, whose real job runs under the simulation's even load (compared exactly) and again under its router's own
-(compared where the load does not matter: test_the_router_load).
+FSDP2, pp 2 (GPipe), cp 2, tp 2 with sequence parallelism (--sp), and pp 2 x cp 2 x tp 2 (1F1B, FSDP2) on 8
+ranks; stage 14's experts over ep 2 of 4 ranks, whose real job runs under the simulation's even load (compared
+exactly) and again under its router's own (compared where the load does not matter: test_the_router_load).
 
 The counting itself is checked against what the stage's design says, independently of the simulation: DDP's
 all-reduce hands over every gradient once (at W = 2, as many bytes as the weights), its state is 16 bytes a weight
@@ -37,6 +37,7 @@ LAYOUTS = {
     "tp": ("--world", "2", "--parallel", "fsdp", "--tp", "2"),
     "pp": ("--world", "2", "--parallel", "fsdp", "--pp", "2", "--pp-schedule", "gpipe", "--accumulate", "3"),
     "cp": ("--world", "2", "--cp", "2"),
+    "sp": ("--world", "2", "--parallel", "fsdp", "--tp", "2", "--sp"),  # --sp: SP_PLAN, SP_AROUND, loss_parallel
     "pp_cp_tp": ("--world", "8", "--parallel", "fsdp", "--pp", "2", "--cp", "2", "--tp", "2", "--accumulate", "2"),
     # Stage 14: 4 experts, k = 2, shared out over ep 2 of the 4 dp ranks (two ep groups, each expert on two replicas).
     # 33 positions: 66 routed rows a micro-batch, which 4 experts cannot share evenly (17, 17, 16, 16), so that the two
@@ -139,6 +140,9 @@ def test_the_simulation_measures_what_the_real_job_measures(simulate, real, sims
         assert not differences(sim, measured), f"{layout}, rank {rank}:\n" + "\n".join(differences(sim, measured))
         assert sim["assumed"] and measured["assumed"] == ([simulate.ASSUMED["even_load"]] if "--ep" in LAYOUTS[layout]
                                                           else [])
+        if "--sp" in LAYOUTS[layout]:  # the stage ran SP_PLAN: all-gathers and reduce-scatters over tp
+            assert sim["sp"] and {"all_gather", "reduce_scatter"} <= {r["kind"] for r in sim["sent"]
+                                                                      if r["dimension"] == "tp"}, sim["sent"]
 
 
 def step_flops(sim: dict, tp: int = 1, expert_rows: int = 0) -> int:
