@@ -117,7 +117,7 @@ def parallelize(model: GPT, grid: Grid, cp: ContextParallel, args: argparse.Name
         # The zero-bubble schedules (--pp-schedule interleavedzb, zbv, dualpipev) split a backward in two: the input
         # gradient (torch.autograd.grad for the inputs alone), the weights' later. They find the weights by the
         # module's parameters: those must be the gathered ones the forward used, so a block stays gathered from its
-        # forward to its backward (else half the weights' gradients are lost: seen here, 5e-2 from one process).
+        # forward to its backward (else weight gradients are lost: seen here, 5e-2 from one process).
         keep = args.pp > 1 and args.pp_schedule in SPLIT_BACKWARD
         for block in model.blocks.values():
             fully_shard(block, mesh=grid.mesh["dp_cp"], mp_policy=mp, reshard_after_forward=not keep)
