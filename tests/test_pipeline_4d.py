@@ -1,5 +1,5 @@
 """Stage 13: the GPT with its blocks over pp pipeline stages computes one process's training, alone and on the layouts
-it combines them with (both schedules, dp under FSDP2, all four of dp x pp x cp x tp at once), resumes a checkpoint
+it combines them with (all six schedules, dp under FSDP2, all four of dp x pp x cp x tp at once), resumes a checkpoint
 that two stages wrote on another layout, and refuses bad combinations in one line.
 
 Five launches of tests/test_context_parallel.py's tiny model (2 blocks, 2 heads, width 32, context 24: one block a
@@ -12,6 +12,12 @@ failure), each compared with stage 13 as one process:
     dppp     torchrun 4: dp 2 x pp 2, GPipe, 2 micro-batches of 1, 4 steps (--decay-steps 8)
     full     torchrun 16: dp 2 x pp 2 x cp 2 x tp 2, 1F1B, 2 micro-batches of 1, resumed from dppp's checkpoint to 8
     ppclip   pp2's command on a copy whose gradient norm leaves out the other stage's blocks: pp2's control
+
+and five more of a 4-block copy (4 stages at pp 2 x --stages-per-rank 2), 3 steps, on harness.small_corpus:
+
+    one4       python, batch 4, a checkpoint at 2: their reference
+    dualpipev  torchrun 2: DualPipeV (the V), to step 2; then interleavedzb (round-robin) resumed from it to 3
+    interleaved1f1b  torchrun 2;  dpzbv  torchrun 4: dp 2 x pp 2 under ZB-V
 
 States (weights, both AdamW moments), per-step losses and gradient norms are compared with test_gpt.gaps, within
 sqrt(eps) of float64. The pipeline's schedules on stage 10's MLP, against one process and the by-hand pipeline, are
