@@ -65,7 +65,9 @@ for name, formula, simulated in rows:
 #
 # Llama 3 70B (70.6 billion weights; 16 bytes each of float32 weights, gradients and AdamW's moments: 1.1 TB),
 # 8K tokens, one sequence a micro-batch, on 64 H100s: the busiest rank's memory for a few layouts. DDP divides
-# nothing; FSDP divides the state by the dp ranks; tp and pp divide the weights, and tp and cp the activations.
+# nothing; FSDP divides the state by the dp ranks; tp and pp divide the weights, and tp and cp the activations;
+# sequence parallelism (--sp) divides by tp too what stays whole on every tp rank without it (under --ac full, the
+# block's input, all it keeps).
 
 # %%
 llama70 = costs.PRESETS["llama3-70b"]
@@ -77,10 +79,12 @@ examples = {"DDP, dp 64": costs.Layout(dp=64, parallel="ddp"),
                                                                         accumulate=8),
             "the same, --ac selective": costs.Layout(dp=2, tp=4, pp=8, parallel="fsdp", accumulate=8,
                                                      ac="selective"),
-            "the same, --ac full": costs.Layout(dp=2, tp=4, pp=8, parallel="fsdp", accumulate=8, ac="full")}
+            "the same, --ac full": costs.Layout(dp=2, tp=4, pp=8, parallel="fsdp", accumulate=8, ac="full"),
+            "the same, --ac full --sp": costs.Layout(dp=2, tp=4, pp=8, parallel="fsdp", accumulate=8, ac="full",
+                                                     sp=True)}
 examples = {k: dataclasses.replace(v, precision="bf16") for k, v in examples.items()}
 preds = {name: plan.predict(llama70, lay, h100) for name, lay in examples.items()}
-fig, ax = plt.subplots(figsize=(9, 3.2))
+fig, ax = plt.subplots(figsize=(9, 3.6))
 for i, p in enumerate(preds.values()):
     left = 0.0
     for j, part in enumerate(plan.MEMORY_PARTS):
