@@ -363,6 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: this process is one of its ranks
         args.world_size = int(os.environ["WORLD_SIZE"])
         worker(int(os.environ["RANK"]), args, None)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         try:
             # Forked, the ranks start from this process's import of torch and stage 04 instead of importing them again.
