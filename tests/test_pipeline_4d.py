@@ -17,7 +17,7 @@ and five more of a 4-block copy (4 stages at pp 2 x --stages-per-rank 2), 3 step
 
     one4       python, batch 4, a checkpoint at 2: their reference
     dualpipev  torchrun 2: DualPipeV (the V), to step 2; then interleavedzb (round-robin) resumed from it to 3
-    interleaved1f1b  torchrun 2;  dpzbv  torchrun 4: dp 2 x pp 2 under ZB-V
+    interleaved1f1b  torchrun 4: pp 2 x tp 2 --sp;  dpzbv  torchrun 4: dp 2 x pp 2 under ZB-V
 
 States (weights, both AdamW moments), per-step losses and gradient norms are compared with test_gpt.gaps, within
 sqrt(eps) of float64. The pipeline's schedules on stage 10's MLP, against one process and the by-hand pipeline, are
@@ -71,7 +71,8 @@ def runs(tmp_path_factory) -> dict[str, Run]:
                            "--decay-steps", "3", "--snapshot", str(tmp / "ck_v")),
                       step(2, *PPV, *small, "--pp-schedule", "interleavedzb", "--accumulate", "4",
                            "--snapshot", str(tmp / "ck_v"))],
-        "interleaved1f1b": [step(2, *PPV, *small, "--pp-schedule", "interleaved1f1b", "--accumulate", "4")],
+        "interleaved1f1b": [step(4, *PPV, *small, "--pp-schedule", "interleaved1f1b", "--accumulate", "4", "--tp", "2",
+                                 "--sp")],
         "dpzbv": [step(4, *PPV, *small, "--pp-schedule", "zbv", "--accumulate", "2")],
     }
     return run_chains(chains, tmp, names={"dppp": ["dppp", "full"], "dualpipev": ["dualpipev", "interleavedzb"]},
@@ -117,8 +118,8 @@ def test_a_gradient_norm_of_one_stage_is_caught(runs):
 def test_several_stages_a_rank_are_one_process(runs):
     """Each schedule of two stages a rank (pp 2, 4 stages of one block) is one process (4 blocks, 3 steps): DualPipeV
     (the V: rank 0 holds stages 0 and 3) to step 2, its checkpoint resumed under interleaved zero bubble
-    (round-robin: rank 0 holds 0 and 2) to 3; interleaved 1F1B; ZB-V beside a dp of 2 (4 processes, FSDP2 over
-    dp). The zero-bubble ones split each backward in two, input then weight gradients."""
+    (round-robin: rank 0 holds 0 and 2) to 3; interleaved 1F1B beside tp 2 --sp; ZB-V beside a dp of 2 (4 processes,
+    FSDP2 over dp). The zero-bubble ones split each backward in two, input then weight gradients."""
     one = runs["one4"]
     placed = {"dualpipev": "[0, 3]", "interleavedzb": "[0, 2]", "interleaved1f1b": "[0, 2]", "dpzbv": "[0, 3]"}
     for name, stages in placed.items():
@@ -131,7 +132,8 @@ def test_several_stages_a_rank_are_one_process(runs):
     assert shared == [0, 2] and worst <= TOL, f"dualpipev vs one process (seed {SEED}): {worst:.2e}"
     equals_one_process(runs["interleavedzb"], one, [2, 3], "pp 2, interleaved zero bubble, 2 stages a rank "
                        "round-robin, resumed from DualPipeV's checkpoint")
-    equals_one_process(runs["interleaved1f1b"], one, [0, 3], "pp 2, interleaved 1F1B, 2 stages a rank round-robin")
+    equals_one_process(runs["interleaved1f1b"], one, [0, 3], "pp 2 × tp 2 --sp, interleaved 1F1B, 2 stages a rank "
+                       "round-robin")
     equals_one_process(runs["dpzbv"], one, [0, 3], "dp 2 × pp 2, ZB-V, 2 stages a rank in a V, 2 micro-batches of 1")
 
 
