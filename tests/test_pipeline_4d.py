@@ -13,11 +13,13 @@ failure), each compared with stage 13 as one process:
     full     torchrun 16: dp 2 x pp 2 x cp 2 x tp 2, 1F1B, 2 micro-batches of 1, resumed from dppp's checkpoint to 8
     ppclip   pp2's command on a copy whose gradient norm leaves out the other stage's blocks: pp2's control
 
-and five more of a 4-block copy (4 stages at pp 2 x --stages-per-rank 2), 3 steps, on harness.small_corpus:
+and six more of a 4-block copy (4 stages at pp 2 x --stages-per-rank 2), 3 steps, on harness.small_corpus:
 
     one4       python, batch 4, a checkpoint at 2: their reference
-    dualpipev  torchrun 2: DualPipeV (the V), to step 2; then interleavedzb (round-robin) resumed from it to 3
-    interleaved1f1b  torchrun 4: pp 2 x tp 2 --sp;  dpzbv  torchrun 4: dp 2 x pp 2 under ZB-V
+    dualpipev  torchrun 4: pp 2 x cp 2 --ac full, DualPipeV (the V), to step 2; then interleavedzb (round-robin, pp 2
+               alone: 2 processes) resumed from it to 3
+    interleaved1f1b  torchrun 4: pp 2 x tp 2 --sp --ac full;  dpzbv  torchrun 4: dp 2 x pp 2 under ZB-V
+    cpsp       torchrun 4: cp 2 x tp 2 --sp --ac selective (no pipeline)
 
 States (weights, both AdamW moments), per-step losses and gradient norms are compared with test_gpt.gaps, within
 sqrt(eps) of float64. The pipeline's schedules on stage 10's MLP, against one process and the by-hand pipeline, are
@@ -67,12 +69,14 @@ def runs(tmp_path_factory) -> dict[str, Run]:
         "pp2": [step(2, *PP2, "--snapshot", str(tmp / "ck_pp2"))],
         "ppclip": [step(2, *PP2, "--snapshot", str(tmp / "ck_ppclip"))],
         "one4": [step(1, *V4, *small, "--batch-size", "4", "--snapshot", str(tmp / "ck_one4"))],
-        "dualpipev": [step(2, *PPV, *small, "--pp-schedule", "dualpipev", "--accumulate", "4", "--max-steps", "2",
-                           "--decay-steps", "3", "--snapshot", str(tmp / "ck_v")),
+        "dualpipev": [step(4, *PPV, *small, "--pp-schedule", "dualpipev", "--accumulate", "4", "--cp", "2", "--ac",
+                           "full", "--max-steps", "2", "--decay-steps", "3", "--snapshot", str(tmp / "ck_v")),
                       step(2, *PPV, *small, "--pp-schedule", "interleavedzb", "--accumulate", "4",
                            "--snapshot", str(tmp / "ck_v"))],
         "interleaved1f1b": [step(4, *PPV, *small, "--pp-schedule", "interleaved1f1b", "--accumulate", "4", "--tp", "2",
-                                 "--sp")],
+                                 "--sp", "--ac", "full")],
+        "cpsp": [step(4, *V4, *small, "--parallel", "fsdp", "--batch-size", "4", "--cp", "2", "--tp", "2", "--sp",
+                      "--ac", "selective")],
         "dpzbv": [step(4, *PPV, *small, "--pp-schedule", "zbv", "--accumulate", "2")],
     }
     return run_chains(chains, tmp, names={"dppp": ["dppp", "full"], "dualpipev": ["dualpipev", "interleavedzb"]},
@@ -117,24 +121,45 @@ def test_a_gradient_norm_of_one_stage_is_caught(runs):
 
 def test_several_stages_a_rank_are_one_process(runs):
     """Each schedule of two stages a rank (pp 2, 4 stages of one block) is one process (4 blocks, 3 steps): DualPipeV
-    (the V: rank 0 holds stages 0 and 3) to step 2, its checkpoint resumed under interleaved zero bubble
-    (round-robin: rank 0 holds 0 and 2) to 3; interleaved 1F1B beside tp 2 --sp; ZB-V beside a dp of 2 (4 processes,
-    FSDP2 over dp). The zero-bubble ones split each backward in two, input then weight gradients."""
+    (the V: rank 0 holds stages 0 and 3) beside cp 2, every block recomputed in backward (--ac full), to step 2, its
+    checkpoint resumed under interleaved zero bubble (round-robin: rank 0 holds 0 and 2) on pp 2 alone to 3;
+    interleaved 1F1B beside tp 2 --sp --ac full; ZB-V beside a dp of 2 (4 processes, FSDP2 over dp). The zero-bubble
+    ones split each backward in two, input then weight gradients: under cp, FSDP2 shards each stage over the 2 cp
+    ranks, so a block's weights must stay gathered from its forward to its weight gradient (parallelize's `keep`;
+    planted, resharded after the forward: the V run fails, 1.2e-1 from one process in its gradient norms, 3.0e-2 in
+    its state)."""
     one = runs["one4"]
     placed = {"dualpipev": "[0, 3]", "interleavedzb": "[0, 2]", "interleaved1f1b": "[0, 2]", "dpzbv": "[0, 3]"}
     for name, stages in placed.items():
         run = runs[name]
         assert (run.summary["pp"], run.summary["stages_per_rank"]) == (2, 2), run.summary
         assert f"stages 4: this rank's {stages}" in run.stdout, run.stdout  # rank 0's line
-    assert "(written by 2 ranks) at step 2" in runs["interleavedzb"].stdout
-    worst, shared = compare("pp 2, DualPipeV, 2 stages a rank in a V, 4 micro-batches of 1 (4 blocks)",
-                            runs["dualpipev"], one)
+    assert "x cp 2 (ring, zigzag) x tp 1" in runs["dualpipev"].stdout and runs["dualpipev"].summary["ac"] == "full"
+    assert "(written by 4 ranks) at step 2" in runs["interleavedzb"].stdout
+    worst, shared = compare("pp 2 × cp 2 `--ac full`, DualPipeV, 2 stages a rank in a V, 4 micro-batches of 1 "
+                            "(4 processes)", runs["dualpipev"], one)
     assert shared == [0, 2] and worst <= TOL, f"dualpipev vs one process (seed {SEED}): {worst:.2e}"
     equals_one_process(runs["interleavedzb"], one, [2, 3], "pp 2, interleaved zero bubble, 2 stages a rank "
-                       "round-robin, resumed from DualPipeV's checkpoint")
-    equals_one_process(runs["interleaved1f1b"], one, [0, 3], "pp 2 × tp 2 --sp, interleaved 1F1B, 2 stages a rank "
-                       "round-robin")
+                       "round-robin, resumed from DualPipeV's checkpoint (written by 4 ranks)")
+    assert runs["interleaved1f1b"].summary["ac"] == "full"
+    equals_one_process(runs["interleaved1f1b"], one, [0, 3], "pp 2 × tp 2 `--sp --ac full`, interleaved 1F1B, 2 "
+                       "stages a rank round-robin")
     equals_one_process(runs["dpzbv"], one, [0, 3], "dp 2 × pp 2, ZB-V, 2 stages a rank in a V, 2 micro-batches of 1")
+
+
+def test_sequence_parallel_beside_context_parallel_is_one_process(runs):
+    """cp 2 x tp 2 --sp --ac selective on 4 processes (the 4-block copy, 3 steps, batch 4): each cp rank's zigzag
+    share (chunks r and 3 - r of 4, 12 tokens) is cut again over its tp pair (6 tokens each) between the blocks; the
+    ring runs over cp on the share all-gathered over tp; each block's matmul, attention and reduce-scatter outputs
+    kept, the rest recomputed in backward. Every state, loss and gradient norm, the held-out loss and the sample:
+    one process's. Planted: norm2 left out of the --sp plan (its weight gradient a sum over one tp rank's 6 tokens
+    of each share): 4.6e-2 from one process."""
+    run = runs["cpsp"]
+    s = run.summary
+    assert (s["world_size"], s["dp"], s["pp"], s["cp"], s["tp"], s["sp"], s["ac"]) == (4, 1, 1, 2, 2, True,
+                                                                                         "selective"), s
+    assert "world size 4 = dp 1 x cp 2 (ring, zigzag) x tp 2" in run.stdout, run.stdout
+    equals_one_process(run, runs["one4"], [0, 3], "cp 2 × tp 2 `--sp --ac selective`, batch 4 (4 processes)")
 
 
 def test_bad_combinations_are_one_line_and_exit_2():
