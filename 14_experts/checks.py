@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 
 from dataset import load_corpus
 from model import GPT, Config
+from pipeline import MULTI, SPLIT_BACKWARD, V_SHAPED
 
 STAGE = Path(__file__).resolve().parent.name  # the folder: 11_gpt, 12_context_parallel, ...
 
@@ -191,6 +192,7 @@ def check_gpt_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Name
     if args.pp > 1 and args.pp_schedule == "1f1b" and args.accumulate < args.pp:
         p.error(f"argument --accumulate: 1F1B needs at least one micro-batch per stage, {args.pp}, not "
                 f"{args.accumulate}; use --accumulate {args.pp} or more (or --pp-schedule gpipe)")
+    check_virtual_stages(p, args)
     dp_cp = world_size // (args.pp * args.tp)
     if args.top_k > args.experts:
         p.error(f"argument --top-k: {args.top_k} is more than --experts {args.experts}; use {args.experts} or "
@@ -204,6 +206,10 @@ def check_gpt_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Name
                 f"{[d for d in range(1, dp_cp + 1) if dp_cp % d == 0 and args.experts % d == 0]}")
     if args.aux_weight < 0:
         p.error(f"argument --aux-weight: must be 0 (no balancing loss) or positive, got {args.aux_weight}")
+    if args.pp > 1 and args.pp_schedule in SPLIT_BACKWARD and args.ac != "none":  # seen: an AttributeError in W
+        p.error(f"argument --ac: {args.pp_schedule} splits each backward in two and recomputes a checkpointed block "
+                f"in both halves, but the context that tells the experts they are recomputed (so that they tally "
+                f"their tokens once) is entered once only; drop --ac or use --pp-schedule interleaved1f1b")
     if args.heads % args.tp:
         p.error(f"argument --tp: {args.tp} does not divide --heads {args.heads} (each tp rank computes whole heads); "
                 f"use one of {[d for d in range(1, args.heads + 1) if args.heads % d == 0]}")
@@ -227,6 +233,39 @@ def check_gpt_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Name
                 f"{len(corpus.held_out):,} held-out characters after {len(corpus.train):,} to train on; "
                 f"use --context {max(shortest - 1, 1)} or less, or a longer text (--data)")
     return args
+
+
+def check_virtual_stages(p: ArgumentParser, args: argparse.Namespace) -> None:
+    """--stages-per-rank and the schedules that hold several stages a rank (pipeline.py), refused before torch
+    raises on every rank (its ValueErrors, each named below)."""
+    v, kind, stages = args.stages_per_rank, args.pp_schedule, args.pp * args.stages_per_rank
+    multi = kind in MULTI
+    if v > 1 and args.pp == 1:
+        p.error(f"argument --stages-per-rank: {v} stages a rank cut a pipeline; add --pp 2 or more")
+    if args.pp == 1:
+        return
+    if v > 1 and not multi:  # (torch's GPipe and 1F1B take one stage)
+        p.error(f"argument --stages-per-rank: {kind} runs one stage a rank, not {v}; use --pp-schedule "
+                f"interleaved1f1b (or interleavedzb, zbv, dualpipev), or --stages-per-rank 1")
+    if multi and v == 1:  # (with one stage a rank they are 1F1B, or not defined)
+        p.error(f"argument --stages-per-rank: {kind} holds several stages a rank; use --stages-per-rank 2")
+    if kind in V_SHAPED and v != 2:  # torch: "ZBV requires exactly 2 stages per rank"
+        p.error(f"argument --stages-per-rank: {kind} places exactly 2 stages a rank, in a V (rank r: stages r and "
+                f"{2 * args.pp - 1} - r), not {v}; use --stages-per-rank 2")
+    if stages > args.layers:  # (each stage holds whole blocks; the first ones one more when they do not divide)
+        p.error(f"argument --stages-per-rank: --pp {args.pp} x {v} = {stages} stages need at least {stages} blocks, "
+                f"not --layers {args.layers}; use --layers {stages} or fewer stages")
+    m, rounds = args.accumulate, max(1, args.accumulate // args.pp)
+    if kind in MULTI - V_SHAPED and m % rounds:  # round-robin; torch: "... a multiple of the number of rounds"
+        p.error(f"argument --accumulate: {kind} runs the micro-batches in --accumulate // --pp = {rounds} rounds "
+                f"of equal size, and {m} is not a multiple of {rounds}; use --accumulate {m // args.pp * args.pp} "
+                f"(a multiple of --pp)")
+    if kind == "dualpipev" and m < stages:  # torch: "DualPipeV requires at least as many microbatches as stages"
+        p.error(f"argument --accumulate: dualpipev needs a micro-batch per stage, {stages}, not {m}; use "
+                f"--accumulate {stages} or more")
+    if kind in SPLIT_BACKWARD and args.compile:  # torch: _check_torch_compile_compatibility
+        p.error(f"argument --compile: {kind} splits each backward in two (input, then weight gradients), which a "
+                f"compiled block cannot; drop --compile or use --pp-schedule interleaved1f1b")
 
 
 class SnapshotError(Exception):

@@ -231,11 +231,14 @@ class ExpertLog:
             moe.tallies = []
         self.pending.append(tally)
 
-    def settle(self, groups: list[dist.ProcessGroup], forwards: int, tokens: int) -> None:
-        """Summed over `groups` (the dp x cp ranks, --sp the tp ranks, then the pipeline's stages); the balancing loss
-        averaged over the `forwards` that computed it (each dp x cp rank's micro-batches; --sp: each tp rank's too, its
-        loss taken over its own tokens); the dropped pairs over those routed in a step's `tokens` (k a token in every
-        block)."""
+    def settle(self, grid, pipe, args: argparse.Namespace, tokens: int) -> None:
+        """Summed over the dp x cp ranks (--sp: the tp ranks too, each tallied its own tokens: SP_PLAN's "moe"), then
+        the pipeline's stages; the balancing loss averaged over the forwards that computed it (each dp x cp rank's
+        micro-batches; --sp: each tp rank's too, its loss taken over its own tokens); the dropped pairs over those
+        routed in a step's `tokens` (k a token in every block)."""
+        groups = [grid.group("dp_cp")] + ([grid.group("tp")] if args.sp else []) + ([pipe.group] if pipe.size > 1
+                                                                                     else [])
+        forwards = grid.sizes["dp"] * grid.sizes["cp"] * args.accumulate * (args.tp if args.sp else 1)
         tally = torch.stack(self.pending)  # [steps, blocks, E + 2]
         for group in groups:
             dist.all_reduce(tally, group=group)

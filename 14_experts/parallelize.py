@@ -31,7 +31,7 @@ from context_parallel import ContextParallel
 from experts import ExpertParallel, MoE, expert_params
 from grid import Grid
 from model import GPT, Config
-from pipeline import Pipeline
+from pipeline import SPLIT_BACKWARD, Pipeline
 
 # Stage 09's pairing, on a transformer block: q, k and v split column-wise (each tp rank computes whole heads, its
 # share of them, without talking), the attention's output projection row-wise (partial sums, all-reduced over tp).
@@ -153,8 +153,14 @@ def parallelize(model: GPT, grid: Grid, cp: ContextParallel, ep: ExpertParallel,
             else MixedPrecisionPolicy()
         # Under --ep the experts are left out: a rank's are its own, averaged over their replicas by hand.
         expert_weights = set(expert_params(model).values()) if ep.size > 1 else None
+        # The zero-bubble schedules (--pp-schedule interleavedzb, zbv, dualpipev) split a backward in two: the input
+        # gradient (torch.autograd.grad for the inputs alone), the weights' later. They find the weights by the
+        # module's parameters: those must be the gathered ones the forward used, so a block stays gathered from its
+        # forward to its backward (stage 13's; else the blocks' weight gradients are lost, the routers' among them).
+        keep = args.pp > 1 and args.pp_schedule in SPLIT_BACKWARD
         for block in model.blocks.values():
-            fully_shard(block, mesh=grid.mesh["dp_cp"], mp_policy=mp, ignored_params=expert_weights)
+            fully_shard(block, mesh=grid.mesh["dp_cp"], mp_policy=mp, ignored_params=expert_weights,
+                        reshard_after_forward=not keep)
         # the rest (embeddings, norms, head): the root unit
         return fully_shard(model, mesh=grid.mesh["dp_cp"], mp_policy=mp, ignored_params=expert_weights)
     # Stages 03-06: a replica per rank; the constructor broadcasts rank 0's weights, backward averages gradients.

@@ -15,7 +15,7 @@ from torch import nn
 from checks import STAGE, schedule
 from evaluate import clock
 from model import DTYPES, GPT, Config
-from pipeline import Pipeline
+from pipeline import Pipeline, held_at_most
 
 if TYPE_CHECKING:  # for the annotations only: train.py imports this file
     from train import Trainer
@@ -35,6 +35,13 @@ def state_at(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, pipe
         dist.all_gather_object(parts, state, group=pipe.group)
         state = {key: {n: t for part in parts for n, t in part[key].items()} for key in state}
     return {"step": step, **state}
+
+
+def activations_held(schedule, args: argparse.Namespace, pipe: Pipeline) -> str:
+    """The start-up line of the stage-sized activations a rank keeps for backward at most (pipeline.py's count)."""
+    held, blocks = held_at_most(schedule, args.accumulate, pipe.size), args.layers / pipe.count
+    return (f"pipeline: a rank holds at most {held} micro-batches' activations of a stage of {blocks:g} "
+            f"block{'s' if blocks != 1 else ''} ({held * blocks:g} blocks' worth)")
 
 
 def peak_memory(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict:
@@ -138,7 +145,7 @@ def write_run(args: argparse.Namespace, trainer: Trainer, model: GPT, floor: dic
     summary = {
         "stage": STAGE, "world_size": dist.get_world_size(), "backend": dist.get_backend(),
         "device": trainer.device.type, "dtype": args.dtype, "parallel": args.parallel, "dp": trainer.dp,
-        "tp": args.tp, "pp": args.pp, "pp_schedule": args.pp_schedule,
+        "tp": args.tp, "pp": args.pp, "pp_schedule": args.pp_schedule, "stages_per_rank": args.stages_per_rank,
         "cp": args.cp, "cp_impl": args.cp_impl, "zigzag": not args.no_zigzag,
         "accumulate": args.accumulate, "amp": args.amp, "compile": args.compile, "ac": args.ac, "sp": args.sp,
         "batch_size": args.batch_size, "global_batch": trainer.global_batch, "max_steps": args.max_steps,

@@ -44,7 +44,7 @@ from experts import ExpertLog, ExpertParallel, add_expert_flags, describe_expert
 from grid import Grid, ddp_setup
 from model import DTYPES, GPT, Config, parameters
 from parallelize import clip_gradients, full_model, parallelize, replica_max_abs_diff, sum_over_tp
-from pipeline import MULTI, SCHEDULES, Pipeline, next_char_loss, pipeline_stage
+from pipeline import SCHEDULES, V_SHAPED, Pipeline, Stages, next_char_loss, pipeline_stage
 
 STAGE = "14_experts"
 
@@ -54,10 +54,13 @@ STAGE = "14_experts"
 def load_train_objs(args: argparse.Namespace, corpus: Corpus, device: torch.device, grid: Grid,
                     cp: ContextParallel, ep: ExpertParallel, pipe: Pipeline):
     cfg = Config(len(corpus.chars), args.context, args.layers, args.heads, args.width, args.experts, args.top_k)
-    torch.manual_seed(args.seed)  # every rank draws the same initial weights (in float32, then cast)
-    # --pp: every rank draws the whole model's, as one process does, and keeps its stage's part.
-    model = parallelize(pipeline_stage(GPT(cfg), pipe.size, pipe.rank).to(device, DTYPES[args.dtype]), grid, cp, ep,
-                        args)
+    # --pp: every rank draws the whole model's weights, as one process does, and keeps a part for each of its stages.
+    parts = []
+    for index in pipe.stages:
+        torch.manual_seed(args.seed)  # (in float32, then cast)
+        part = pipeline_stage(GPT(cfg), pipe.count, index).to(device, DTYPES[args.dtype])
+        parts.append(parallelize(part, grid, cp, ep, args))
+    model = parts[0] if len(parts) == 1 else Stages(parts)
     # AdamW, as transformers are trained; created after parallelize, so that it holds this rank's pieces. Weight
     # decay pulls the matrices towards zero; not the biases and norms (a scale and a shift, nothing to regularise),
     # nor the embeddings (a character's row only learns when it appears: decay would erase the rare ones). The
@@ -254,11 +257,7 @@ class Trainer:
         self.losses += (losses / (self.dp * self.cp.size)).tolist()
         self.grad_norms += norms.tolist()  # the same on every rank: the whole gradient's
         self.pending = []
-        # --sp: each tp rank tallied its own tokens (SP_PLAN's "moe"): summed over tp too
-        split = [self.grid.group("tp")] if self.args.sp else []
-        groups = [self.grid.group("dp_cp"), *split] + ([self.pipe.group] if self.pipe.size > 1 else [])
-        forwards = self.dp * self.cp.size * self.args.accumulate * (self.args.tp if self.args.sp else 1)
-        self.expert_log.settle(groups, forwards, self.global_batch * self.cfg.context)
+        self.expert_log.settle(self.grid, self.pipe, self.args, self.global_batch * self.cfg.context)  # (--sp: tp too)
 
     def record(self) -> None:
         """--out: keep the whole state (gathered: every rank calls this), for the tests to compare runs step by step."""
@@ -307,10 +306,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the causal attention's work) instead of chunks r and 2cp-1-r")
     p.add_argument("--pp", type=checks.positive(int), default=1, help="pipeline-parallel degree: processes that "
                    "split the blocks into stages (--layers at least pp; --accumulate micro-batches go through them)")
-    # (13's schedules of several stages a rank are not offered here: a rank's stages would each need their experts'
-    # groups and balance loss carried through torch's schedule, untested)
-    p.add_argument("--pp-schedule", choices=[s for s in SCHEDULES if s not in MULTI], default="1f1b",
-                   help="GPipe or 1F1B (stage 10)")
+    p.add_argument("--pp-schedule", choices=list(SCHEDULES), default="1f1b",
+                   help="GPipe or 1F1B (stage 10); with --stages-per-rank 2 or more, stage 13's interleaved1f1b, "
+                        "interleavedzb, zbv or dualpipev")
+    p.add_argument("--stages-per-rank", type=checks.positive(int), default=1,
+                   help="pipeline stages each pp rank holds (virtual stages): the blocks are cut into pp x this")
     add_expert_flags(p, checks.positive)  # --experts --top-k --ep --capacity-factor --aux-weight --balance
     p.add_argument("--accumulate", type=checks.positive(int), default=1,
                    help="micro-batches of --batch-size per step (under --pp, the pipeline's micro-batches)")
@@ -349,14 +349,17 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
                                         f"--ac {args.ac}" if args.ac != "none" else "",
                                         "--sp" if args.sp else ""] if o)
         how = f" ({args.cp_impl}{', zigzag' if cp.zigzag else ', contiguous'})" if cp.size > 1 else ""
+        virtual = f", stages {pipe.count}: this rank's {pipe.stages}" if pipe.count > pipe.size else ""
         stages = f"pp {pipe.size} ({args.pp_schedule}, {args.accumulate} micro-batch" \
-            f"{'es' if args.accumulate > 1 else ''}) x " if pipe.size > 1 else ""
+            f"{'es' if args.accumulate > 1 else ''}{virtual}) x " if pipe.size > 1 else ""
         print(f"[{STAGE}] world size {world_size} = dp {dp} x {stages}cp {cp.size}{how} x tp {args.tp}"
               + (f", ep {ep.size} of the dp x cp" if ep.size > 1 else "") + f" | {args.parallel} | backend "
               f"{dist.get_backend()} | device {device.type}{fallback} | {args.dtype}"
               + (f" | {options}" if options else ""))
         if world_size > 1:
             print(grid.describe())  # which ranks each group holds (grid.py)
+        if pipe.size > 1:  # the stage-sized activations a rank keeps for backward at most (reports.py)
+            print(reports.activations_held(trainer.schedule, args, pipe))
         print(f"data: {args.data.name}, {len(corpus.train) + len(corpus.held_out):,} characters ({len(corpus.chars)} "
               f"distinct): {len(corpus.train):,} to train on, the last {len(corpus.held_out):,} held out")
         print(f"model: {cfg.layers} blocks, {cfg.heads} heads, width {cfg.width}, context {cfg.context}: "
@@ -428,7 +431,8 @@ def main(argv: list[str] | None = None) -> None:
         # stages pass on, the residual stream, too
         split = args.tp if args.sp else 1
         cp = ContextParallel(grid.group("cp"), args.cp_impl, zigzag=not args.no_zigzag, split=split)
-        pipe = Pipeline(grid.group("pp"), args.width, DTYPES[args.dtype], split)
+        pipe = Pipeline(grid.group("pp"), args.width, DTYPES[args.dtype], split, args.stages_per_rank,
+                        args.pp_schedule in V_SHAPED)
         ep = ExpertParallel(grid.group("ep"), grid.group("ep_replicas"), device)
         train(rank, world_size, device, args, grid, cp, ep, pipe, snapshot)
     except RuntimeError as e:  # gloo raises a peer's death or stall here, as a timeout or a closed connection

@@ -19,6 +19,14 @@ is the reference's micro-batch i):
              `drop_one`, one process of batch 1 x 4 with the same capacity (a capacity is per rank and micro-batch,
              here one window, as the reference's)
 
+And with stage 13's schedules of 2 stages a rank (4 blocks, 3 steps, against `one_v`: one process of 2 windows x 4
+micro-batches), each block's experts and balancing loss carried through torch's schedule:
+
+    interleaved  torchrun 2: pp 2, interleaved 1F1B (rank 0 holds stages 0 and 2), 4 micro-batches of 2
+    zbv_ep       torchrun 4: dp 2 x pp 2, ZB-V (the split backward; rank 0 holds 0 and 3), ep 2 of the dp
+    aux_stage    interleaved's command, the second stage's balancing loss left out
+    resharded    zbv_ep's command, the blocks resharded after their forward (the weight gradients then lost)
+
 Every state (weights, both AdamW moments), loss, gradient norm and the tokens each expert took are compared, within
 sqrt(eps) of float64 (the tokens exactly). The planted bugs, each on ep2's or dpep_ddp's command (4 steps), must leave
 one process's training far behind: a row sent to another expert's slot, the combine without the gates, the
@@ -239,10 +247,89 @@ def test_bad_expert_flags_are_one_line_and_exit_2():
         (["--capacity-factor", "0"], {}, "--capacity-factor: must be a positive float"),
         (["--experts", "0"], {}, "--experts: must be a positive int"),
     ]
+    # stage 13's refusals of several stages a rank, and the split backward that --ac cannot take here
+    pp = ["--pp", "2", "--parallel", "fsdp", "--layers", "4", "--accumulate", "4"]
+    cases += [([*pp, "--stages-per-rank", "2"], {"WORLD_SIZE": "2"}, "--stages-per-rank: 1f1b runs one stage a rank"),
+              ([*pp, "--pp-schedule", "zbv", "--stages-per-rank", "3"], {"WORLD_SIZE": "2"},
+               "--stages-per-rank: zbv places exactly 2 stages a rank"),
+              ([*pp, "--pp-schedule", "dualpipev", "--stages-per-rank", "2", "--ac", "full"], {"WORLD_SIZE": "2"},
+               "--ac: dualpipev splits each backward in two and recomputes a checkpointed block in both halves")]
     refused_in_one_line(cases, STAGE)
     assert refusal(["--ep", "2", "--cp", "2", "--tp", "2", "--parallel", "fsdp"], {"WORLD_SIZE": "8"},
                    STAGE)[0] == "accepted"
+    assert refusal([*pp, "--pp-schedule", "interleaved1f1b", "--stages-per-rank", "2", "--ac", "full"],
+                   {"WORLD_SIZE": "2"}, STAGE)[0] == "accepted"
     assert refusal(["--ep", "4", "--experts", "8"], {"WORLD_SIZE": "4"}, STAGE)[0] == "accepted"
+
+
+# ─── Several pipeline stages a rank, with experts ───────────────────────────────────────────────────────────────────
+# Stage 13's --stages-per-rank 2 at pp 2 (4 stages): the tiny model with 4 blocks, one a stage, 3 steps, each block's
+# experts and balancing loss carried through torch's schedule. The reference: one process of the same micro-batches,
+# 4 of 2 windows (the balancing loss counts its load per micro-batch). Interleaved 1F1B on 2 processes, 2 windows a
+# micro-batch; ZB-V (the split backward: input gradients, then the weights') on dp 2 x pp 2 with the experts over ep 2
+# of the dp ranks, 1 window a micro-batch a rank. Two planted bugs, each on one of their commands.
+PPV = ("--layers", "4", "--max-steps", "3", "--pp", "2", "--stages-per-rank", "2", "--parallel", "fsdp",
+       "--accumulate", "4")
+INTERLEAVED = (*PPV, "--pp-schedule", "interleaved1f1b", "--batch-size", "2")
+ZBV_EP = (*PPV, "--pp-schedule", "zbv", "--ep", "2", "--batch-size", "1")
+PARTS = "        parts.append(parallelize(part, grid, cp, ep, args))\n"
+STAGE_BUGS = {
+    # The second stage's blocks (rank 1's first) without their balancing loss's gradient.
+    "aux_stage": (PARTS, PARTS + "        for moe in [m for m in part.modules() if index == 1 and hasattr(m, "
+                  "'aux_weight')]:\n            moe.aux_weight = 0.0\n", INTERLEAVED),
+    # The blocks resharded after their forward under the split backward: the weight gradients (W) are then taken of
+    # the shards, not of the gathered weights the forward used, and the blocks' (the routers' among them) are lost.
+    "resharded": ("reshard_after_forward=not keep", "reshard_after_forward=True", ZBV_EP),
+}
+
+
+@pytest.fixture(scope="module")
+def stage_runs(tmp_path_factory) -> dict[str, Run]:
+    tmp = tmp_path_factory.mktemp("experts_stages")
+    print(f"seed {SEED}: CONTEXT_PARALLEL_SEED={SEED} reruns it")
+    chains = {"zbv_ep": [step(4, *ZBV_EP)], "resharded": [step(4, *ZBV_EP)],  # the 4-process ones first
+              "interleaved": [step(2, *INTERLEAVED)], "aux_stage": [step(2, *INTERLEAVED)],
+              "one_v": [step(1, "--layers", "4", "--max-steps", "3", "--batch-size", "2", "--accumulate", "4")]}
+    scripts = {bug: mutate(STAGE, old, new, tmp / f"{bug}_stage") for bug, (old, new, _) in STAGE_BUGS.items()}
+    return run_chains(chains, tmp, scripts=scripts, args=("--data", str(small_corpus(tmp))))
+
+
+def test_several_stages_a_rank_with_experts_are_one_process(stage_runs):
+    """Interleaved 1F1B (rank 0 holds stages 0 and 2) and ZB-V beside dp 2 and ep 2 (rank 0 holds 0 and 3, the V):
+    every state, loss, gradient norm, the held-out loss, the sample, the tokens each expert took and the balancing
+    loss of every step are one process's of the same micro-batches."""
+    one = stage_runs["one_v"]
+    for name, placed, layout in [
+            ("interleaved", "[0, 2]", "pp 2, interleaved 1F1B, 2 stages a rank, 4 micro-batches of 2"),
+            ("zbv_ep", "[0, 3]", "dp 2 × pp 2, ZB-V (2 stages a rank in a V), ep 2 of the dp, 4 micro-batches of 1 "
+                                 "a rank")]:
+        run = stage_runs[name]
+        assert f"stages 4: this rank's {placed}) x" in run.stdout and run.summary["stages_per_rank"] == 2, run.stdout
+        equals_one_process(run, one, [0, 3], layout)
+        same_experts(run, one)
+    assert ", ep 2 of the dp x cp | fsdp |" in stage_runs["zbv_ep"].stdout
+
+
+@pytest.mark.parametrize("bug", STAGE_BUGS)
+def test_a_planted_bug_in_several_stages_a_rank_is_caught(stage_runs, bug):
+    """The second stage's balancing loss left out (interleaved 1F1B), the blocks resharded between the input and the
+    weight gradients (ZB-V): each trains without an error, far from one process, beside its command unbroken (the
+    test above). Resharded, some blocks' weights (a router among them) never get a gradient, so AdamW holds no moments
+    for them: the gap is then of the weights, the losses and the gradient norms."""
+    run, one = stage_runs[bug], stage_runs["one_v"]
+    if bug == "aux_stage":
+        worst, _ = compare(f"**negative control**: {bug}", run, one)
+    else:
+        mine, theirs = run.trajectory[-1], one.trajectory[-1]  # (each a file read)
+        lost = theirs["exp_avg"].keys() - mine["exp_avg"].keys()
+        assert any(".moe.router." in name for name in lost), f"(seed {SEED}) no router lost its gradient: {lost}"
+        found = [max((a - theirs["params"][n]).abs().max().item() for n, a in mine["params"].items())]
+        found += [max(abs(a - b) for a, b in zip(run.summary[k], one.summary[k], strict=True))
+                  for k in ("losses", "grad_norms")]
+        print(f"\n| **negative control**: {bug} (no gradient, so no AdamW moments, for {len(lost)} weights) | 3 | "
+              + " | ".join(f"{x:.1e}" for x in found) + f" |  (seed {SEED})")
+        worst = max(found)
+    assert worst > 1e3 * TOL, f"the {bug} copy is within {worst:.2e} of one process (seed {SEED})"
 
 
 # ─── The mixture in one process, against one written token by token ────────────────────────────────────────────────

@@ -520,7 +520,7 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
                   ("--warmup-steps", "20", "--max-steps", "10"): "--warmup-steps"}  # a warm-up past the decay's end
     if stage in ("11_gpt", CP_STAGE, PP_STAGE, EP_STAGE):  # --sp splits the sequence over tp: without --tp (here 1)
         table |= {("--sp",): "--sp"}  # there is nothing to split it over
-    if stage == "11_gpt":  # HSDP: FSDP2's replicas (here with DDP, and in a world of 1)
+    if stage in ("11_gpt", CP_STAGE, PP_STAGE):  # HSDP: FSDP2's replicas (here with DDP, and in a world of 1)
         table |= {("--replicate", "0"): "--replicate", ("--replicate", "x"): "--replicate",
                   ("--replicate", "2"): "--replicate"}
     if stage in (CP_STAGE, PP_STAGE, EP_STAGE):  # alone, a world of 1: only --cp 1 divides it
@@ -528,7 +528,7 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
                   ("--cp-impl", "torch"): "--cp-impl", ("--no-zigzag=1",): "--no-zigzag"}
     if stage in (PP_STAGE, EP_STAGE):  # and only --pp 1
         table |= {("--pp", "0"): "--pp", ("--pp", "2"): "--pp", ("--pp-schedule", "zb"): "--pp-schedule"}
-    if stage == PP_STAGE:  # virtual stages: a positive count, and a pipeline (--pp 2 or more) to cut
+    if stage in (PP_STAGE, EP_STAGE):  # virtual stages: a positive count, and a pipeline (--pp 2 or more) to cut
         table |= {("--stages-per-rank", "0"): "--stages-per-rank", ("--stages-per-rank", "2"): "--stages-per-rank"}
     if stage == EP_STAGE:  # and only --ep 1; k at most E
         table |= {("--experts", "0"): "--experts", ("--top-k", "0"): "--top-k", ("--top-k", "5"): "--top-k",
