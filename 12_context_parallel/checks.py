@@ -178,6 +178,14 @@ def check_gpt_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Name
     if args.cp > 1 and args.compile:
         p.error("argument --compile: the ring's sends and receives run between the compiled parts; compile with "
                 "--cp 1")
+    if args.replicate > 1 and args.parallel != "fsdp":
+        p.error("argument --replicate: HSDP keeps replicas of FSDP2's shards (DDP already replicates over every dp "
+                "rank); add --parallel fsdp")
+    dp = world_size // (args.cp * args.tp)
+    if args.replicate > 1 and dp % args.replicate:
+        p.error(f"argument --replicate: {args.replicate} does not divide dp {dp} (world size {world_size} / --cp "
+                f"{args.cp} x --tp {args.tp}: replicate x shard = dp); use one of "
+                f"{[d for d in range(1, dp + 1) if dp % d == 0]}")
     if args.heads % args.tp:
         p.error(f"argument --tp: {args.tp} does not divide --heads {args.heads} (each tp rank computes whole heads); "
                 f"use one of {[d for d in range(1, args.heads + 1) if args.heads % d == 0]}")

@@ -113,9 +113,14 @@ def parallelize(model: GPT, grid: Grid, cp: ContextParallel, args: argparse.Name
         # forward and backward; the gradients are reduce-scattered in float32, so the average rounds as without it.
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.amp == "bf16" \
             else MixedPrecisionPolicy()
+        # --replicate R > 1, HSDP: a 2-D mesh, FSDP2 shards over its last dimension (S x cp ranks, a node: the cp
+        # ranks are in it, grid.py) and keeps R replicas of the shards over its first: each rank holds 1/(S cp) of the
+        # state, not 1/(dp cp), and the gradients, reduce-scattered inside the shard group, are all-reduced over the
+        # replicate group (1/(S cp) of them), once a step.
+        dp = grid.mesh["replicate", "shard_cp"] if grid.sizes["replicate"] > 1 else grid.mesh["shard_cp"]
         for block in model.blocks:
-            fully_shard(block, mesh=grid.mesh["dp_cp"], mp_policy=mp)
-        return fully_shard(model, mesh=grid.mesh["dp_cp"], mp_policy=mp)  # the rest (embeddings, norm, head): the root
+            fully_shard(block, mesh=dp, mp_policy=mp)
+        return fully_shard(model, mesh=dp, mp_policy=mp)  # the rest (embeddings, norm, head): the root
     # Stages 03-06: a replica per rank; the constructor broadcasts rank 0's weights, backward averages gradients.
     return DDP(model, device_ids=[model.head.weight.device] if model.head.weight.is_cuda else None,
                process_group=grid.group("dp_cp"))

@@ -271,6 +271,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=checks.positive(int), default=100, help="steps between checkpoints")
     p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
                    help="over the dp ranks: a replica each (DDP) or a shard each (FSDP2, every block a unit)")
+    p.add_argument("--replicate", type=checks.positive(int), default=1,
+                   help="HSDP (with --parallel fsdp): R replicas of FSDP2's shards, each over dp / R x cp ranks")
     p.add_argument("--tp", type=checks.positive(int), default=1,
                    help="tensor-parallel degree: processes that split every block (with --parallel fsdp)")
     p.add_argument("--sp", action="store_true",
@@ -319,7 +321,8 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
                                         f"--ac {args.ac}" if args.ac != "none" else "",
                                         "--sp" if args.sp else ""] if o)
         how = f" ({args.cp_impl}{', zigzag' if cp.zigzag else ', contiguous'})" if cp.size > 1 else ""
-        print(f"[{STAGE}] world size {world_size} = dp {dp} x cp {cp.size}{how} x tp {args.tp} | "
+        split = f" (replicate {args.replicate} x shard {dp // args.replicate})" if args.replicate > 1 else ""
+        print(f"[{STAGE}] world size {world_size} = dp {dp}{split} x cp {cp.size}{how} x tp {args.tp} | "
               f"{args.parallel} | backend {dist.get_backend()} | device {device.type}{fallback} | {args.dtype}"
               + (f" | {options}" if options else ""))
         if world_size > 1:
@@ -386,8 +389,9 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(stale)
     ddp_setup(ddp, device, args.timeout)
     try:
-        # Every process group, from one grid (grid.py): dp x cp x tp, a tp group's ranks consecutive.
-        grid = Grid({"dp": world_size // (args.cp * args.tp), "cp": args.cp, "tp": args.tp}, device, args.timeout)
+        # Every process group, from one grid (grid.py): dp x cp x tp, a tp group's ranks consecutive; dp = R x S.
+        grid = Grid({"replicate": args.replicate, "dp": world_size // (args.cp * args.tp), "cp": args.cp,
+                     "tp": args.tp}, device, args.timeout)
         # --sp: every cp share split again over tp (its length then a multiple of tp: evaluate's padding)
         cp = ContextParallel(grid.group("cp"), args.cp_impl, zigzag=not args.no_zigzag,
                              split=args.tp if args.sp else 1)

@@ -119,9 +119,14 @@ def parallelize(model: GPT, grid: Grid, cp: ContextParallel, args: argparse.Name
         # module's parameters: those must be the gathered ones the forward used, so a block stays gathered from its
         # forward to its backward (else weight gradients are lost: seen here, 5e-2 from one process).
         keep = args.pp > 1 and args.pp_schedule in SPLIT_BACKWARD
+        # --replicate R > 1, HSDP: a 2-D mesh, FSDP2 shards over its last dimension (S x cp ranks, a node: the cp
+        # ranks are in it, grid.py) and keeps R replicas of the shards over its first: each rank holds 1/(S cp) of its
+        # stage's state, not 1/(dp cp), and the gradients, reduce-scattered inside the shard group, are all-reduced
+        # over the replicate group (1/(S cp) of them), once a step.
+        dp = grid.mesh["replicate", "shard_cp"] if grid.sizes["replicate"] > 1 else grid.mesh["shard_cp"]
         for block in model.blocks.values():
-            fully_shard(block, mesh=grid.mesh["dp_cp"], mp_policy=mp, reshard_after_forward=not keep)
-        return fully_shard(model, mesh=grid.mesh["dp_cp"], mp_policy=mp)  # the rest (embeddings, norm, head): the root
+            fully_shard(block, mesh=dp, mp_policy=mp, reshard_after_forward=not keep)
+        return fully_shard(model, mesh=dp, mp_policy=mp)  # the rest (embeddings, norm, head): the root
     # Stages 03-06: a replica per rank; the constructor broadcasts rank 0's weights, backward averages gradients.
     device = next(model.parameters()).device
     return DDP(model, device_ids=[device] if device.type == "cuda" else None, process_group=grid.group("dp_cp"))

@@ -285,6 +285,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=checks.positive(int), default=100, help="steps between checkpoints")
     p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
                    help="over the dp ranks: a replica each (DDP) or a shard each (FSDP2, every block a unit)")
+    p.add_argument("--replicate", type=checks.positive(int), default=1,
+                   help="HSDP (with --parallel fsdp): R replicas of FSDP2's shards, each over dp / R x cp ranks")
     p.add_argument("--tp", type=checks.positive(int), default=1,
                    help="tensor-parallel degree: processes that split every block (with --parallel fsdp)")
     p.add_argument("--sp", action="store_true",
@@ -344,7 +346,8 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         virtual = f", stages {pipe.count}: this rank's {pipe.stages}" if pipe.count > pipe.size else ""
         stages = f"pp {pipe.size} ({args.pp_schedule}, {args.accumulate} micro-batch" \
             f"{'es' if args.accumulate > 1 else ''}{virtual}) x " if pipe.size > 1 else ""
-        print(f"[{STAGE}] world size {world_size} = dp {dp} x {stages}cp {cp.size}{how} x tp {args.tp} | "
+        split = f" (replicate {args.replicate} x shard {dp // args.replicate})" if args.replicate > 1 else ""
+        print(f"[{STAGE}] world size {world_size} = dp {dp}{split} x {stages}cp {cp.size}{how} x tp {args.tp} | "
               f"{args.parallel} | backend {dist.get_backend()} | device {device.type}{fallback} | {args.dtype}"
               + (f" | {options}" if options else ""))
         if world_size > 1:
@@ -418,8 +421,9 @@ def main(argv: list[str] | None = None) -> None:
     ddp_setup(ddp, device, args.timeout)
     try:
         # Every process group, from one grid (grid.py): a stage of the pipeline is a dp x cp x tp block of consecutive
-        # ranks, tp innermost.
-        grid = Grid({"pp": args.pp, "dp": dp, "cp": args.cp, "tp": args.tp}, device, args.timeout)
+        # ranks, tp innermost; dp = R x S (HSDP).
+        grid = Grid({"pp": args.pp, "replicate": args.replicate, "dp": dp, "cp": args.cp, "tp": args.tp}, device,
+                    args.timeout)
         # --sp: every cp share split again over tp (its length a multiple of tp: evaluate's padding), and what the
         # stages pass on, the residual stream, too
         split = args.tp if args.sp else 1

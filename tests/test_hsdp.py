@@ -15,7 +15,16 @@ all_gather_single, reduce_scatter_single, all_reduce, wrapped), by op, size and 
 - reduce-scatters inside the shard group: every gradient once, P elements;
 - all-reduces over the replicate group: the reduce-scattered gradients, P / S elements; none where R is 1.
 All within 5% of those formulas (FSDP2 pads each weight's first dimension to a multiple of S).
-In this process: R below 1, R > 1 with --parallel ddp, R not dividing dp refused in one line (test_gpt.refusal).
+In this process: R below 1, R > 1 with --parallel ddp, R not dividing dp refused in one line (test_gpt.refusal), on
+stages 11, 12 and 13.
+
+Stages 12 and 13, launched, one 4-rank run each beside the runs above, against the same one process (11's: the same
+GPT, drawn alike): HSDP beside the dimensions those stages add, on their one grid (grid.py). 12: R 2 x S 1 x cp 2,
+the cheapest layout where the shard group is not a dp group: FSDP2 shards over shard x cp (the cp ranks hold the
+same weights), so here over the cp pairs, and the replicas all-reduce across them; R 2 x S 2 at cp 1 would only repeat
+11's run. 13: R 2 x S 1 x pp 2, 2 micro-batches (1F1B), each stage's ranks replicas of one another. Each: the whole
+state and every step's loss and gradient norm equal one process's; each rank's state 32 bytes a parameter of its
+pipeline stage / (S x cp).
 
 `python tests/test_hsdp.py` prints the forked counts as 11_gpt/README's table shows them, and a test checks that the
 table holds them.
@@ -142,15 +151,22 @@ def test_hsdp_gathers_inside_the_shard_group_and_all_reduces_a_shard_across(fork
         assert counts["other"] == 0, [c for c in found[layout]["calls"] if c[0] != "all_gather_single"]
 
 
-def test_hsdp_flags_refused_in_one_line():
-    four = {"WORLD_SIZE": "4"}
+# Each stage's own dimension beside --replicate, and what dp is then: 11's world / tp, 12's / (cp tp), 13's / (pp tp).
+BESIDE = {"11_gpt": (["--tp", "2", "--heads", "2"], 2), "12_context_parallel": (["--cp", "2"], 2),
+          "13_pipeline_4d": (["--pp", "2", "--layers", "2", "--accumulate", "2"], 2)}
+
+
+@pytest.mark.parametrize("stage", list(BESIDE))
+def test_hsdp_flags_refused_in_one_line(stage):
+    four, (beside, dp) = {"WORLD_SIZE": "4"}, BESIDE[stage]
     refused_in_one_line([
         (["--replicate", "0"], {}, "argument --replicate: must be a positive int, got 0"),
         (["--replicate", "2"], four, "argument --replicate: HSDP keeps replicas of FSDP2's shards"),
         (["--parallel", "fsdp", "--replicate", "3"], four, "argument --replicate: 3 does not divide dp 4"),
-        (["--parallel", "fsdp", "--tp", "2", "--heads", "2", "--replicate", "4"], four,
-         "argument --replicate: 4 does not divide dp 2")])
-    assert refusal(["--parallel", "fsdp", "--replicate", "2"], four)[0] == "accepted"  # the control
+        (["--parallel", "fsdp", *beside, "--replicate", "4"], four,
+         f"argument --replicate: 4 does not divide dp {dp}")], stage)
+    for args in (["--parallel", "fsdp", "--replicate", "2"], ["--parallel", "fsdp", *beside, "--replicate", "2"]):
+        assert refusal(args, four, stage)[0] == "accepted", (stage, args)  # the controls
 
 
 # ─── Launched: the stage's real launcher, against one process and against FSDP2 on 4 ───────────────────────────────
@@ -161,6 +177,11 @@ def runs(tmp_path_factory) -> dict[str, Run]:
         "hsdp": [step(WORLD, "--batch-size", "1", "--parallel", "fsdp", "--replicate", "2")],
         "fsdp": [step(WORLD, "--batch-size", "1", "--parallel", "fsdp", "--sample", "0")],
         "one": [step(1, "--batch-size", "4", "--sample", "0")],
+        # beside cp (12) and pp (13): the global batch one process's 4 windows (13: 2 micro-batches of 1 a dp rank)
+        "hsdp12": [step(WORLD, "--batch-size", "2", "--parallel", "fsdp", "--replicate", "2", "--cp", "2",
+                        "--sample", "0", stage="12_context_parallel")],
+        "hsdp13": [step(WORLD, "--batch-size", "1", "--accumulate", "2", "--parallel", "fsdp", "--replicate", "2",
+                        "--pp", "2", "--sample", "0", stage="13_pipeline_4d")],
     }
     return run_chains(chains, tmp_path_factory.mktemp("hsdp"))
 
@@ -175,12 +196,40 @@ def test_hsdp_trains_as_one_process_and_as_fsdp_on_every_rank(runs, reference):
     assert shared == [0, 3] and max(found.values()) <= TOL, f"--replicate 2 vs {reference}: {found}"
 
 
-@pytest.mark.parametrize("name, shard", [("hsdp", 2), ("fsdp", 4)])
+@pytest.mark.parametrize("name, layout", [
+    ("hsdp12", {"cp": 2, "dp": 2, "world_size": WORLD}),
+    ("hsdp13", {"pp": 2, "dp": 2, "world_size": WORLD, "accumulate": 2})])
+def test_hsdp_beside_cp_and_pp_trains_as_one_process(runs, name, layout):
+    run = runs[name]
+    assert {k: run.summary[k] for k in (*layout, "parallel")} == {**layout, "parallel": "fsdp"}
+    assert "= dp 2 (replicate 2 x shard 1) x " in run.stdout, run.stdout
+    replicas = "[0, 2] [1, 3]" if name == "hsdp12" else "[0, 1] [2, 3]"  # 13: pp outermost, a stage's ranks 0-1
+    assert f"  replicate   HSDP: the shards' replicas, gradients all-reduced: {replicas}" in run.stdout, run.stdout
+    found, shared = gaps(run, runs["one"])
+    print(f"\n| {name} | {found['state']:.1e} | {found['losses']:.1e} | {found['grad_norms']:.1e} | "
+          f"{run.summary['memory']['state']} |")  # (-s: the README's figures)
+    assert shared == [0, 3] and max(found.values()) <= TOL, f"{name} (--replicate 2) vs one process: {found}"
+
+
+def stage_parameters(run: Run) -> list[int]:
+    """Each rank's parameters, whole: the model's, or under --pp 2 (2 blocks) its pipeline stage's, the first holding
+    the embeddings and block 0, the second block 1, the final norm and the head (pp the grid's outermost dimension)."""
+    whole, pp = run.model, run.summary["pp"] if "pp" in run.summary else 1
+    if pp == 1:
+        return [sum(t.numel() for t in whole.values())] * WORLD
+    stages = [("tokens.", "positions.", "blocks.0."), ("blocks.1.", "norm.", "head.")]
+    held = [sum(t.numel() for k, t in whole.items() if k.startswith(stages[i])) for i in range(pp)]
+    assert sum(held) == run.summary["parameters"], (held, run.summary["parameters"])
+    return [held[rank // (WORLD // pp)] for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("name, shard", [("hsdp", 2), ("fsdp", 4), ("hsdp12", 2), ("hsdp13", 1)])
 def test_each_rank_holds_a_shard_group_s_share_of_the_state(runs, name, shard):
-    state, parameters = runs[name].summary["memory"]["state"], runs[name].summary["parameters"]
-    expected = 4 * 8 * parameters / shard  # weights, gradients and AdamW's two moments, 8 bytes each in float64
-    assert len(state) == WORLD and all(b == pytest.approx(expected, rel=0.05) for b in state), \
-        f"{name}: state per rank {state} bytes, the formula 32 x {parameters} / {shard} = {expected:.0f}"
+    """shard: the shard group's size, S x cp (12: S 1 x cp 2)."""
+    state, parameters = runs[name].summary["memory"]["state"], stage_parameters(runs[name])
+    expected = [4 * 8 * p / shard for p in parameters]  # weights, gradients, AdamW's two moments: 8 bytes each
+    assert len(state) == WORLD and all(b == pytest.approx(e, rel=0.05) for b, e in zip(state, expected, strict=True)), \
+        f"{name}: state per rank {state} bytes, the formula 32 x {parameters} / {shard} = {expected}"
 
 
 def table(found: dict) -> dict[str, list[int]]:
