@@ -193,6 +193,14 @@ def check_gpt_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Name
         p.error(f"argument --accumulate: 1F1B needs at least one micro-batch per stage, {args.pp}, not "
                 f"{args.accumulate}; use --accumulate {args.pp} or more (or --pp-schedule gpipe)")
     check_virtual_stages(p, args)
+    if args.replicate > 1 and args.parallel != "fsdp":
+        p.error("argument --replicate: HSDP keeps replicas of FSDP2's shards (DDP already replicates over every dp "
+                "rank); add --parallel fsdp")
+    dp = world_size // (args.pp * args.cp * args.tp)
+    if args.replicate > 1 and dp % args.replicate:
+        p.error(f"argument --replicate: {args.replicate} does not divide dp {dp} (world size {world_size} / --pp "
+                f"{args.pp} x --cp {args.cp} x --tp {args.tp}: replicate x shard = dp); use one of "
+                f"{[d for d in range(1, dp + 1) if dp % d == 0]}")
     dp_cp = world_size // (args.pp * args.tp)
     if args.top_k > args.experts:
         p.error(f"argument --top-k: {args.top_k} is more than --experts {args.experts}; use {args.experts} or "

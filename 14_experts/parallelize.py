@@ -158,11 +158,13 @@ def parallelize(model: GPT, grid: Grid, cp: ContextParallel, ep: ExpertParallel,
         # module's parameters: those must be the gathered ones the forward used, so a block stays gathered from its
         # forward to its backward (stage 13's; else the blocks' weight gradients are lost, the routers' among them).
         keep = args.pp > 1 and args.pp_schedule in SPLIT_BACKWARD
+        # --replicate R > 1, HSDP (stage 13's): FSDP2 shards over S x cp ranks and keeps R replicas of the shards; the
+        # experts FSDP2 leaves alone under --ep are averaged over their replicas by hand, as without HSDP.
+        dp = grid.mesh["replicate", "shard_cp"] if grid.sizes["replicate"] > 1 else grid.mesh["shard_cp"]
         for block in model.blocks.values():
-            fully_shard(block, mesh=grid.mesh["dp_cp"], mp_policy=mp, ignored_params=expert_weights,
-                        reshard_after_forward=not keep)
+            fully_shard(block, mesh=dp, mp_policy=mp, ignored_params=expert_weights, reshard_after_forward=not keep)
         # the rest (embeddings, norms, head): the root unit
-        return fully_shard(model, mesh=grid.mesh["dp_cp"], mp_policy=mp, ignored_params=expert_weights)
+        return fully_shard(model, mesh=dp, mp_policy=mp, ignored_params=expert_weights)
     # Stages 03-06: a replica per rank; the constructor broadcasts rank 0's weights, backward averages gradients.
     device = next(model.parameters()).device
     if ep.size > 1:  # DDP would average them over every rank; a rank's experts are its own (average_gradients)

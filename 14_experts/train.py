@@ -291,6 +291,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=checks.positive(int), default=100, help="steps between checkpoints")
     p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
                    help="over the dp ranks: a replica each (DDP) or a shard each (FSDP2, every block a unit)")
+    p.add_argument("--replicate", type=checks.positive(int), default=1, help="HSDP: R replicas of FSDP2's shards")
     p.add_argument("--tp", type=checks.positive(int), default=1,
                    help="tensor-parallel degree: processes that split every block (with --parallel fsdp)")
     p.add_argument("--sp", action="store_true",
@@ -346,13 +347,13 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         fallback = " (no GPU visible: using the CPU)" if args.device == "auto" and device.type == "cpu" else ""
         options = ", ".join(o for o in [f"--accumulate {args.accumulate}" if args.accumulate > 1 else "",
                                         f"--amp {args.amp}" if args.amp else "", "--compile" if args.compile else "",
-                                        f"--ac {args.ac}" if args.ac != "none" else "",
-                                        "--sp" if args.sp else ""] if o)
+                                        f"--ac {args.ac}" if args.ac != "none" else "", "--sp" if args.sp else ""] if o)
         how = f" ({args.cp_impl}{', zigzag' if cp.zigzag else ', contiguous'})" if cp.size > 1 else ""
         virtual = f", stages {pipe.count}: this rank's {pipe.stages}" if pipe.count > pipe.size else ""
         stages = f"pp {pipe.size} ({args.pp_schedule}, {args.accumulate} micro-batch" \
             f"{'es' if args.accumulate > 1 else ''}{virtual}) x " if pipe.size > 1 else ""
-        print(f"[{STAGE}] world size {world_size} = dp {dp} x {stages}cp {cp.size}{how} x tp {args.tp}"
+        split = f" (replicate {args.replicate} x shard {dp // args.replicate})" if args.replicate > 1 else ""
+        print(f"[{STAGE}] world size {world_size} = dp {dp}{split} x {stages}cp {cp.size}{how} x tp {args.tp}"
               + (f", ep {ep.size} of the dp x cp" if ep.size > 1 else "") + f" | {args.parallel} | backend "
               f"{dist.get_backend()} | device {device.type}{fallback} | {args.dtype}"
               + (f" | {options}" if options else ""))
@@ -425,10 +426,10 @@ def main(argv: list[str] | None = None) -> None:
     ddp_setup(ddp, device, args.timeout)
     try:
         # Every process group, from one grid (grid.py): a stage of the pipeline is a dp x cp x tp block of consecutive
-        # ranks, tp innermost; the ep groups are runs of its dp x cp ranks.
-        grid = Grid({"pp": args.pp, "dp": dp, "cp": args.cp, "tp": args.tp}, args.ep, device, args.timeout)
-        # --sp: every cp share split again over tp (its length a multiple of tp: evaluate's padding), and what the
-        # stages pass on, the residual stream, too
+        # ranks, tp innermost; dp = R x S (HSDP); the ep groups are runs of its dp x cp ranks.
+        grid = Grid({"pp": args.pp, "replicate": args.replicate, "dp": dp, "cp": args.cp, "tp": args.tp}, args.ep,
+                    device, args.timeout)
+        # --sp: every cp share split again over tp (evaluate pads it to a multiple), as is what the stages pass on
         split = args.tp if args.sp else 1
         cp = ContextParallel(grid.group("cp"), args.cp_impl, zigzag=not args.no_zigzag, split=split)
         pipe = Pipeline(grid.group("pp"), args.width, DTYPES[args.dtype], split, args.stages_per_rank,
@@ -440,8 +441,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[{STAGE}] rank {rank}: {hint}", file=sys.stderr)
         raise
     finally:
-        # On success train() has returned and its model is gone: destroying the group while a DDP
-        # model still holds it can hang a gloo process at exit (pytorch/pytorch#75097).
+        # train() has returned, its model gone: destroying a group a DDP model still holds can hang gloo (pytorch#75097)
         dist.destroy_process_group()
     checks.exit_without_teardown()  # skips Python's teardown, which a gloo thread can crash (checks.py)
 

@@ -520,7 +520,7 @@ def bad_values(stage: str) -> dict[tuple[str, ...], str]:
                   ("--warmup-steps", "20", "--max-steps", "10"): "--warmup-steps"}  # a warm-up past the decay's end
     if stage in ("11_gpt", CP_STAGE, PP_STAGE, EP_STAGE):  # --sp splits the sequence over tp: without --tp (here 1)
         table |= {("--sp",): "--sp"}  # there is nothing to split it over
-    if stage in ("11_gpt", CP_STAGE, PP_STAGE):  # HSDP: FSDP2's replicas (here with DDP, and in a world of 1)
+    if stage in ("11_gpt", CP_STAGE, PP_STAGE, EP_STAGE):  # HSDP: FSDP2's replicas (here with DDP, and in a world of 1)
         table |= {("--replicate", "0"): "--replicate", ("--replicate", "x"): "--replicate",
                   ("--replicate", "2"): "--replicate"}
     if stage in (CP_STAGE, PP_STAGE, EP_STAGE):  # alone, a world of 1: only --cp 1 divides it

@@ -151,9 +151,11 @@ def test_hsdp_gathers_inside_the_shard_group_and_all_reduces_a_shard_across(fork
         assert counts["other"] == 0, [c for c in found[layout]["calls"] if c[0] != "all_gather_single"]
 
 
-# Each stage's own dimension beside --replicate, and what dp is then: 11's world / tp, 12's / (cp tp), 13's / (pp tp).
+# Each stage's own dimension beside --replicate, and what dp is then: 11's world / tp, 12's / (cp tp), 13's and 14's
+# / (pp tp).
 BESIDE = {"11_gpt": (["--tp", "2", "--heads", "2"], 2), "12_context_parallel": (["--cp", "2"], 2),
-          "13_pipeline_4d": (["--pp", "2", "--layers", "2", "--accumulate", "2"], 2)}
+          "13_pipeline_4d": (["--pp", "2", "--layers", "2", "--accumulate", "2"], 2),
+          "14_experts": (["--pp", "2", "--layers", "2", "--accumulate", "2", "--ep", "2"], 2)}
 
 
 @pytest.mark.parametrize("stage", list(BESIDE))
@@ -182,6 +184,10 @@ def runs(tmp_path_factory) -> dict[str, Run]:
                         "--sample", "0", stage="12_context_parallel")],
         "hsdp13": [step(WORLD, "--batch-size", "1", "--accumulate", "2", "--parallel", "fsdp", "--replicate", "2",
                         "--pp", "2", "--sample", "0", stage="13_pipeline_4d")],
+        # 14: R 2 x S 2 with the experts over ep 2 (FSDP2 leaves them alone: averaged over their replicas by hand)
+        "one14": [step(1, "--batch-size", "4", "--sample", "0", stage="14_experts")],
+        "hsdp14": [step(WORLD, "--batch-size", "1", "--parallel", "fsdp", "--replicate", "2", "--ep", "2",
+                        "--sample", "0", stage="14_experts")],
     }
     return run_chains(chains, tmp_path_factory.mktemp("hsdp"))
 
@@ -198,14 +204,17 @@ def test_hsdp_trains_as_one_process_and_as_fsdp_on_every_rank(runs, reference):
 
 @pytest.mark.parametrize("name, layout", [
     ("hsdp12", {"cp": 2, "dp": 2, "world_size": WORLD}),
-    ("hsdp13", {"pp": 2, "dp": 2, "world_size": WORLD, "accumulate": 2})])
-def test_hsdp_beside_cp_and_pp_trains_as_one_process(runs, name, layout):
+    ("hsdp13", {"pp": 2, "dp": 2, "world_size": WORLD, "accumulate": 2}),
+    ("hsdp14", {"dp": WORLD, "world_size": WORLD})])
+def test_hsdp_beside_cp_pp_and_ep_trains_as_one_process(runs, name, layout):
     run = runs[name]
     assert {k: run.summary[k] for k in (*layout, "parallel")} == {**layout, "parallel": "fsdp"}
-    assert "= dp 2 (replicate 2 x shard 1) x " in run.stdout, run.stdout
-    replicas = "[0, 2] [1, 3]" if name == "hsdp12" else "[0, 1] [2, 3]"  # 13: pp outermost, a stage's ranks 0-1
+    assert name != "hsdp14" or run.summary["experts"]["ep"] == 2, run.summary["experts"]
+    split = "dp 4 (replicate 2 x shard 2)" if name == "hsdp14" else "dp 2 (replicate 2 x shard 1)"
+    assert f"= {split} x " in run.stdout, run.stdout
+    replicas = "[0, 1] [2, 3]" if name == "hsdp13" else "[0, 2] [1, 3]"  # 13: pp outermost, a stage's ranks 0-1
     assert f"  replicate   HSDP: the shards' replicas, gradients all-reduced: {replicas}" in run.stdout, run.stdout
-    found, shared = gaps(run, runs["one"])
+    found, shared = gaps(run, runs["one14" if name == "hsdp14" else "one"])
     print(f"\n| {name} | {found['state']:.1e} | {found['losses']:.1e} | {found['grad_norms']:.1e} | "
           f"{run.summary['memory']['state']} |")  # (-s: the README's figures)
     assert shared == [0, 3] and max(found.values()) <= TOL, f"{name} (--replicate 2) vs one process: {found}"
@@ -223,9 +232,10 @@ def stage_parameters(run: Run) -> list[int]:
     return [held[rank // (WORLD // pp)] for rank in range(WORLD)]
 
 
-@pytest.mark.parametrize("name, shard", [("hsdp", 2), ("fsdp", 4), ("hsdp12", 2), ("hsdp13", 1)])
+@pytest.mark.parametrize("name, shard", [("hsdp", 2), ("fsdp", 4), ("hsdp12", 2), ("hsdp13", 1), ("hsdp14", 2)])
 def test_each_rank_holds_a_shard_group_s_share_of_the_state(runs, name, shard):
-    """shard: the shard group's size, S x cp (12: S 1 x cp 2)."""
+    """shard: the shard group's size, S x cp (12: S 1 x cp 2; 14: S 2, and the experts, which FSDP2 leaves alone,
+    split over ep 2: half of them too)."""
     state, parameters = runs[name].summary["memory"]["state"], stage_parameters(runs[name])
     expected = [4 * 8 * p / shard for p in parameters]  # weights, gradients, AdamW's two moments: 8 bytes each
     assert len(state) == WORLD and all(b == pytest.approx(e, rel=0.05) for b, e in zip(state, expected, strict=True)), \
