@@ -29,18 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # by_hand.py, orders.py and timeline.py, beside it
-from by_hand import (  # noqa: E402
-    N_CLASSES,
-    N_FEATURES,
-    ArgumentParser,
-    BatchMeanLoss,
-    clock,
-    exit_without_teardown,
-    make_data,
-    positive,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # by_hand.py, task.py, orders.py and timeline.py, beside it
+from by_hand import ArgumentParser, clock, exit_without_teardown, positive  # noqa: E402
 from orders import SCHEDULES, Action, slot_clock, stages_of  # noqa: E402
+from task import N_CLASSES, N_FEATURES, BatchMeanLoss, make_data  # noqa: E402
 from timeline import bubble, draw, formula, idle  # noqa: E402
 
 

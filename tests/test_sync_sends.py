@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,11 +41,13 @@ HANG = 10  # the planted collective's group timeout: how long its ranks wait for
 
 
 def old_order(dest: Path) -> Path:
-    """by_hand.py with each exchange's messages posted one by one in the list's order, the send first: as it was."""
+    """by_hand.py with each exchange's messages posted one by one in the list's order, the send first: as it was (and
+    task.py, which it imports, beside it)."""
     text = (ROOT / STAGE / "by_hand.py").read_text()
     together = "for work in dist.batch_isend_irecv(ops):"
     assert text.count(together) == 1, "by_hand.py changed: expected one batch_isend_irecv in Pipe.exchange"
     dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / STAGE / "task.py", dest / "task.py")
     path = dest / "by_hand.py"
     path.write_text(text.replace(together, "for work in [op.op(op.tensor, op.peer, op.group) for op in ops]:"))
     return path
