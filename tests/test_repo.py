@@ -217,9 +217,10 @@ PRIVATE_ALLOWED = {
     ("debugging/bugs", "torch._C"):
         "_distributed_c10d._dump_fr_trace, the flight recorder's dump: NCCL's watchdog calls it on a timeout, gloo's "
         "never does, and torch has no public name for it (fr_trace reads what it writes)",
-    ("debugging/bugs", "torch._dynamo"):
-        "imported before the ranks are forked, only to have it once: DDP's constructor imports it (2-3 CPU-s) in each "
-        "rank otherwise, and no public module imports it",
+    **{(script, "torch._dynamo"):
+       "imported before the ranks are forked, only to have it once: DDP's constructor imports it (2-3 CPU-s) in each "
+       "rank otherwise, and no public module imports it"
+       for script in ("debugging/bugs", "ddp_by_hand/vs_ddp", "zero_by_hand/vs_library", "zero_by_hand/memory")},
     ("at_scale/simulate", "._run_step"): "the stage's own training step (Trainer._run_step, what its train() calls): "
                                          "the simulation runs that step",
     # at_scale/this_machine.py times stage 13's step on the fake process group, on real tensors (simulate.py's way).

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch._dynamo  # noqa: F401  (DDP(...) imports it, 2-3 CPU-s: imported here once, not in every forked rank)
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
