@@ -257,6 +257,10 @@ def check_virtual_stages(p: ArgumentParser, args: argparse.Namespace) -> None:
     if kind in SPLIT_BACKWARD and args.compile:  # torch: _check_torch_compile_compatibility
         p.error(f"argument --compile: {kind} splits each backward in two (input, then weight gradients), which a "
                 f"compiled block cannot; drop --compile or use --pp-schedule interleaved1f1b")
+    if kind in SPLIT_BACKWARD and args.ac == "selective":  # torch: "Trying to backward an extra time ..." on every rank
+        p.error(f"argument --ac: {kind} runs two backwards over each block (input, then weight gradients), and a "
+                f"selective checkpoint's saved outputs serve one; use --ac full (recomputes for each) or --pp-schedule "
+                f"interleaved1f1b")
 
 
 class SnapshotError(Exception):

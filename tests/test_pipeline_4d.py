@@ -162,16 +162,11 @@ def test_sequence_parallel_beside_context_parallel_is_one_process(runs):
     equals_one_process(run, runs["one4"], [0, 3], "cp 2 × tp 2 `--sp --ac selective`, batch 4 (4 processes)")
 
 
-@pytest.mark.xfail(strict=True, reason="not refused yet: checks.check_virtual_stages lets a split-backward schedule "
-                   "(interleavedzb, zbv, dualpipev) run with --ac selective, and every rank then dies in torch's "
-                   "'Trying to backward an extra time. You are only allowed to backward once on any region computed "
-                   "under selective activation checkpoint' (seen at pp 2 x cp 2 interleavedzb and pp 2 zbv, torch "
-                   "2.13.0): the weight-gradient pass W runs a second backward over the block's region after the "
-                   "input-gradient pass B, and a selective checkpoint's saved outputs serve one backward only "
-                   "(--ac full recomputes again: DualPipeV x cp 2 --ac full above equals one process)")
 def test_split_backward_with_selective_checkpointing_is_refused_in_one_line():
     """A zero-bubble schedule splits each backward in two passes over a block; torch's selective checkpointing
-    allows one. Refused before training, as --compile with these schedules is."""
+    allows one (unrefused, every rank died in torch's 'Trying to backward an extra time ... under selective activation
+    checkpoint', pp 2 x cp 2 interleavedzb and pp 2 zbv, torch 2.13.0). Refused before training, as --compile with
+    these schedules is; --ac full recomputes for each pass (DualPipeV x cp 2 --ac full above equals one process)."""
     refused_in_one_line([([*FS, "--pp-schedule", schedule, "--stages-per-rank", "2", "--accumulate", "4", "--ac",
                            "selective"], {"WORLD_SIZE": "2"}, "--ac") for schedule in ("interleavedzb", "zbv",
                                                                                          "dualpipev")], STAGE)
