@@ -75,6 +75,8 @@ class Layout:
     #                   stream and the norms split by sequence over tp, the head by vocabulary, the loss on its pieces
     precision: str = "float32"  # "float32": everything (the stages' default); "bf16": compute and activations in
     #                             bfloat16, the weights, gradients and AdamW's moments float32 (the stages' --amp bf16)
+    replicate: int = 1  # HSDP (the stages' --replicate R, FSDP2 only): dp = R x S; FSDP2 shards over S x cp ranks
+    #                     (a node), R replicas of those shards all-reduce their gradient shards once a step
 
     @property
     def world(self) -> int:
@@ -84,10 +86,16 @@ class Layout:
     def dp_cp(self) -> int:
         return self.dp * self.cp
 
+    @property
+    def shard_cp(self) -> int:
+        """The ranks one FSDP2 shard group spans: dp x cp, or under HSDP S x cp."""
+        return self.dp_cp // self.replicate
+
     def describe(self) -> str:
         dims = " x ".join(f"{d} {getattr(self, d)}" for d in ("dp", "tp", "pp", "cp", "ep") if getattr(self, d) > 1)
         return f"{dims or 'one rank'} {self.parallel}, micro-batch {self.micro_batch} x {self.accumulate}" + \
-            (f", --ac {self.ac}" if self.ac != "none" else "") + (", --sp" if self.sp else "")
+            (f", --ac {self.ac}" if self.ac != "none" else "") + (", --sp" if self.sp else "") + \
+            (f", --replicate {self.replicate}" if self.replicate > 1 else "")
 
 
 # ─── Parameters: the tensors each rank holds ───────────────────────────────────────────────────────────────────────
@@ -191,6 +199,7 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
     check_ac(m, lay)
     first, last = stage == 0, stage == lay.pp - 1
     n = lay.dp_cp  # the ranks that hold copies (DDP) or shards (FSDP2) of the same weights
+    s, shards = lay.shard_cp, "shard_cp" if lay.replicate > 1 else "dp_cp"  # FSDP2's shard group (HSDP: S x cp)
     blocks = stage_blocks(m.layers, lay.pp, stage)
     per_block = block_tensors(m, lay.tp, lay.ep)
     root = root_tensors(m, lay.tp, first, last, lay.sp)
@@ -202,8 +211,8 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
     root_elems = sum(r * c for r, c, _ in root)
     own_elems = sum(r * c for r, c, _ in own)
     if lay.parallel == "fsdp":
-        block_shard = sum(sharded(r, c, n) for r, c, _ in whole)
-        root_shard = sum(sharded(r, c, n) for r, c, _ in root)
+        block_shard = sum(sharded(r, c, s) for r, c, _ in whole)
+        root_shard = sum(sharded(r, c, s) for r, c, _ in root)
     else:
         block_shard, root_shard = block_elems, root_elems
     params = blocks * (block_shard + own_elems) + root_shard  # elements held
@@ -228,18 +237,23 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
     tokens = mb * m.context // lay.cp  # one micro-batch's tokens on this rank
     stream = tokens * m.width  # elements of the residual stream of one micro-batch
     gathered = "bfloat16" if lay.precision == "bf16" else "float32"
-    if lay.parallel == "fsdp" and n > 1:
+    if lay.parallel == "fsdp" and s > 1:
         # FSDP2 (13_pipeline_4d/parallelize.py): a unit per block, the rest the root. Without a pipeline a block is
         # gathered for each micro-batch's forward and again for its backward, the root once a micro-batch (kept
         # from forward to backward); under a pipeline torch's stage keeps the weights gathered from the first
         # backward on (reshard_after_backward off): a block gathered for each forward and once more, the root once.
         block_gathers = acc + 1 if lay.pp > 1 else 2 * acc
         root_gathers = (1 if lay.pp > 1 else acc) if root else 0
-        add("all_gather", "dp_cp", blocks * block_gathers, block_shard * BYTES[gathered], ring("all_gather", n))
-        add("all_gather", "dp_cp", root_gathers, root_shard * BYTES[gathered], ring("all_gather", n))
+        add("all_gather", shards, blocks * block_gathers, block_shard * BYTES[gathered], ring("all_gather", s))
+        add("all_gather", shards, root_gathers, root_shard * BYTES[gathered], ring("all_gather", s))
         # each unit's gradient reduce-scattered once a step (the last micro-batch's backward), in float32
-        add("reduce_scatter", "dp_cp", blocks, block_shard * n * f4, ring("reduce_scatter", n))
-        add("reduce_scatter", "dp_cp", 1 if root else 0, root_shard * n * f4, ring("reduce_scatter", n))
+        add("reduce_scatter", shards, blocks, block_shard * s * f4, ring("reduce_scatter", s))
+        add("reduce_scatter", shards, 1 if root else 0, root_shard * s * f4, ring("reduce_scatter", s))
+        # HSDP: then each unit's gradient shard (1/S of it) all-reduced over the R ranks holding the same shard
+        # (stage 11's README, tests/test_hsdp.py: P / S elements a step)
+        if lay.replicate > 1:
+            add("all_reduce", "replicate", blocks, block_shard * f4, ring("all_reduce", lay.replicate))
+            add("all_reduce", "replicate", 1 if root else 0, root_shard * f4, ring("all_reduce", lay.replicate))
     elif n > 1:  # DDP: every gradient all-reduced once a step (its buckets); ZeRO-1/2 as zero_by_hand does
         bucket = (full - blocks * own_elems) * f4
         if lay.parallel == "ddp":
@@ -280,9 +294,9 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         # same, and their gradient (float32 at least) every hop
         kv = 2 * tokens * m.kv_heads * m.head_size // lay.tp
         for kind, factor in (("send", 1), ("recv", 0)):  # (a receive sends nothing: counted by its calls)
-            # (--ac full reruns the forward's hops in backward: RingAttention is one autograd Function, recomputed
-            # whole)
-            add(kind, "cp", blocks * acc * (2 + (lay.ac == "full")) * (lay.cp - 1), kv * act, factor)
+            # (--ac reruns the forward's hops in backward: RingAttention is one autograd Function, recomputed whole;
+            # selective too, its sends being no op KEEP names)
+            add(kind, "cp", blocks * acc * (2 + (lay.ac != "none")) * (lay.cp - 1), kv * act, factor)
             add(kind, "cp", blocks * acc * lay.cp, kv * max(act, 4), factor)
     if lay.pp > 1:  # the residual stream forward to the next stage, its gradient back to the previous one
         for kind, factor in (("send", 1), ("recv", 0)):
@@ -290,8 +304,8 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
     # The gradient's norm (parallelize.py clip_gradients): a float32 number summed over each mesh its DTensor
     # gradients lie on (FSDP2's dp x cp; tp's layers' dp x cp and tp), then over the pipeline's stages.
     # (--sp: the norms and the head lie on both meshes too: the dp x cp mesh alone holds the first stage's embeddings)
-    if lay.parallel == "fsdp":
-        add("all_reduce", "dp_cp", 1 + (lay.tp > 1 and (first or not lay.sp)), 4, ring("all_reduce", n))
+    if lay.parallel == "fsdp":  # (HSDP: over the shard group; the replicas' gradients are equal)
+        add("all_reduce", shards, 1 + (lay.tp > 1 and (first or not lay.sp)), 4, ring("all_reduce", s))
     add("all_reduce", "tp", int(lay.tp > 1), 4, ring("all_reduce", lay.tp))
     add("all_reduce", "pp", int(lay.pp > 1), 4, ring("all_reduce", lay.pp))
     if m.experts and lay.ep > 1:  # every token's k rows to their experts and back, forward and backward: an even load
@@ -306,8 +320,8 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
 
     # ── activations ── (per block and micro-batch, in units of the residual stream: Korthikanti et al. 2022's count,
     # redone for this code: no dropout, attention by a fused kernel that keeps no score matrix)
-    kept = block_kept_units(m, lay.tp, lay.ac, lay.sp)
-    saved_block = stream * act * kept
+    kept = block_kept_units(m, lay.tp, lay.ac, lay.sp, lay.cp)
+    saved_block = stream * act * kept + ring_kept_bytes(m, lay)
     if lay.pp > 1:
         in_flight = acc if lay.schedule == "gpipe" else min(acc, lay.pp - stage)
     else:
@@ -315,11 +329,13 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
     peak = in_flight * blocks * saved_block
     # A checkpointed block's backward first rebuilds what it did not keep: one block's worth, beside the rest.
     rebuilt = stream * act * block_recomputed_units(m, lay.tp, lay.ac, lay.sp)
+    if lay.ac == "selective" and lay.cp > 1:  # and the ring's output (float32 at least), which KEEP does not name
+        rebuilt += stream / lay.tp * max(act, 4)
     if lay.ac == "full":  # and it starts at the MLP's last matmul: beside the rebuilt block, the gradient arriving,
         # the one made for the matmul's input (ffn / width / tp) and its weight's (ffn x width / tp; under FSDP2 the
         # unit's whole gradient, counted below)
         rebuilt += stream * act * (1 + m.ffn / m.width / lay.tp)
-        if not (lay.parallel == "fsdp" and n > 1):
+        if not (lay.parallel == "fsdp" and s > 1):
             rebuilt += m.ffn * m.width // lay.tp * act
     last_terms = 0
     if last:  # the final norm's and the head's inputs; the loss's backward: log-softmax's output, the gradient it
@@ -342,17 +358,34 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
                 (2 * in_flight if lay.pp > 1 else 1) * tokens * v * 4 + 2 * tokens * m.vocab * 4
     # --ac full: the loss's tensors are gone when the last block's backward rebuilds it; else both are counted
     peak += max(rebuilt, last_terms) if lay.ac == "full" else rebuilt + last_terms
-    if lay.parallel == "fsdp" and n > 1:
+    if lay.parallel == "fsdp" and s > 1:
         g = BYTES[gathered]
         # The peak is at the start of the backward: the root gathered (kept from forward to backward), the block at
         # work and the next (prefetched), and every unit's whole gradient while they accumulate (over micro-batches
         # or the pipeline's), else the one block's being reduce-scattered. Or, with little activation, at the
         # root's all-gather: its buffer and the gathered copy, two roots' worth.
         grads_whole = full * f4 if acc > 1 or lay.pp > 1 else block_elems * f4
-        # Under a pipeline the embedding's backward makes a dense gradient of its whole table before adding it in,
-        # while the first stage still holds other micro-batches' activations.
-        table = m.vocab // (lay.tp if m.vocab_over_tp else 1) * m.width * f4 if first and lay.pp > 1 else 0
-        peak = max(peak + (root_elems + 2 * block_elems) * g + grads_whole + table,
+        # Or, on a pipeline's first stage, at the end of a micro-batch's backward: the embeddings' backward makes a
+        # dense gradient of each whole table before adding it in. The stage's weights are all gathered by then (kept
+        # so from the first backward on), and its whole gradients too, the embeddings' from the second backward on;
+        # beside it the micro-batches still in flight (1F1B: fewer as the step ends) and the gradient arriving.
+        at_table = 0
+        if first and lay.pp > 1:
+            table = (m.vocab // (lay.tp if m.vocab_over_tp else 1) + m.context * m.learned_positions) * m.width * f4
+            others = [(in_flight - 1, full - root_elems)] + ([(min(in_flight, acc - 1) - 1, full)] if acc > 1 else [])
+            at_table = max(n * blocks * saved_block + grads * f4 for n, grads in others) + full * g + table + \
+                stream * act
+        gathered_now = (root_elems + 2 * block_elems) * g
+        if lay.pp > 1:  # Under a pipeline the busiest backward is the first, with every micro-batch in flight and
+            # the gradients still to make (the block's at work; the last stage's root's, made first), or the second,
+            # the gradients whole by then, with the micro-batches still in flight (as many, once the step has more
+            # micro-batches than the pipeline holds; one fewer where it has just as many)
+            firsts = [(in_flight, (block_elems + last * root_elems) * f4)] + \
+                ([(min(in_flight, acc - 1), full * f4)] if acc > 1 else [])
+            at_blocks = max(peak - (in_flight - n) * blocks * saved_block + grads for n, grads in firsts)
+        else:
+            at_blocks = peak + grads_whole
+        peak = max(at_blocks + gathered_now, at_table,
                    2 * root_elems * g + (full * f4 if acc > 1 and lay.pp == 1 else 0))
         if lay.sp and last:  # (at the loss: the root gathered, no block; the gradients accumulating, if they do)
             at_loss += root_elems * g + (full * f4 if acc > 1 or lay.pp > 1 else 0)
@@ -395,9 +428,6 @@ def unmodelled_ac(m: Model, ac: str, cp: int) -> str | None:
         return f"--ac {ac}: none, full or selective"
     if ac != "none" and m.experts:  # (stage 14 checkpoints the attention alone under --ep, and routes again)
         return "activation checkpointing with experts is not modelled"
-    if ac == "selective" and cp > 1:  # the simulation holds far more than kept + recomputed (7,262 MiB against
-        # 4,734 at the tests' 2B shape, DDP cp 2): what SAC keeps inside the ring is not counted here
-        return "selective with context parallelism (--cp) is not modelled"
     return None
 
 
@@ -406,9 +436,6 @@ def unmodelled_sp(m: Model, ac: str, sp: bool) -> str | None:
     such layouts out and refuses them as flags; rank_costs raises."""
     if sp and m.experts:  # (stage 14 routes each tp rank's own tokens under --sp: not counted here)
         return "sequence parallelism with experts is not modelled"
-    if sp and ac == "selective":  # (its traffic is known: KEEP keeps the reduce-scatters, reruns the all-gathers;
-        # what it keeps and rebuilds beside them has not been counted against the simulation)
-        return "selective with sequence parallelism (--sp) is not modelled"
     return None
 
 
@@ -417,23 +444,42 @@ def check_ac(m: Model, lay: Layout) -> None:
         raise ValueError(why)
     if lay.sp and lay.tp == 1:
         raise ValueError("--sp splits the sequence over tp: it needs tp 2 or more")
+    if lay.replicate > 1 and (lay.parallel != "fsdp" or lay.dp % lay.replicate):
+        raise ValueError(f"--replicate {lay.replicate}: HSDP replicates FSDP2's shards, R dividing dp {lay.dp}")
 
 
-def block_kept_units(m: Model, tp: int, ac: str, sp: bool = False) -> float:
+def ring_kept_bytes(m: Model, lay: Layout) -> float:
+    """What --ac selective keeps inside cp's ring, a block and micro-batch, beside block_kept_units: KEEP names the
+    matmuls, and the ring's are matmuls too (context_parallel.py RingAttention.forward: bmm's under torch.matmul).
+    The zigzag split gives a rank 2 cp chunks of t / (2 cp) tokens: its two query chunks see 2 cp + 1 key chunks (chunk
+    r the r + 1 up to it, chunk 2 cp - 1 - r the 2 cp - r), and each pair keeps its scores [heads / tp, chunk, chunk]
+    and their product with the values [heads / tp, chunk, head size], float32 at least (the ring's sums)."""
+    if lay.ac != "selective" or lay.cp == 1:
+        return 0.0
+    chunk = m.context // (2 * lay.cp)
+    pairs = 2 * lay.cp + 1
+    return lay.micro_batch * pairs * m.heads // lay.tp * chunk * (chunk + m.head_size) * \
+        max(BYTES["bfloat16" if lay.precision == "bf16" else "float32"], 4)
+
+
+def block_kept_units(m: Model, tp: int, ac: str, sp: bool = False, cp: int = 1) -> float:
     """What a block keeps for its backward under --ac, in units of its input. full: the input alone. selective
     (parallelize.py KEEP): the input, and the outputs of its matmuls and attention: q, k, v and the attention's
     (this rank's heads: (2 + 2 kv) / tp), the projection's (whole, its partial sum; under tp its all-reduced sum
     too), the MLP's inner matmul (ffn / width / tp; SwiGLU's two) and outer one (as the projection). The norms,
     GELU and the adds are recomputed from those. (At tp 4 and more selective keeps more than none: the row-wise
-    layers' sums are whole on every tp rank, and none keeps neither.)"""
+    layers' sums are whole on every tp rank, and none keeps neither.) --sp: the input and the reduce-scatters' outputs
+    are split over tp. cp: the ring's output is no op KEEP names (rebuilt); its matmuls are (ring_kept_bytes)."""
     if ac == "none":
         return block_activation_units(m, tp, sp)
     if ac == "full":  # (with experts, not modelled: check_ac) (--sp: its input is split over tp)
         return 1 / tp if sp else 1.0
     kv = m.kv_heads * m.head_size / m.width
-    rowwise = 2 if tp > 1 else 1  # the row-wise layer's output, and the all-reduce's
+    # the row-wise layer's output, and the all-reduce's (--sp: the reduce-scatter's, its t / tp tokens)
+    rowwise = (1 + 1 / tp if sp else 2) if tp > 1 else 1
     inner = (2 if m.mlp == "swiglu" else 1) * m.ffn / m.width / tp
-    return 1 + (2 + 2 * kv) / tp + rowwise + inner + rowwise
+    attention = 1 / tp if cp == 1 else 0  # (cp's ring is no op KEEP names: its output is rebuilt, ring_kept_bytes)
+    return (1 / tp if sp else 1) + (1 + 2 * kv) / tp + attention + rowwise + inner + rowwise
 
 
 def block_recomputed_units(m: Model, tp: int, ac: str, sp: bool = False) -> float:
@@ -445,7 +491,9 @@ def block_recomputed_units(m: Model, tp: int, ac: str, sp: bool = False) -> floa
         return 0.0
     if ac == "full":
         return block_activation_units(m, tp, sp) - block_kept_units(m, tp, ac, sp)
-    return 3 + 1 / tp + (2 if m.mlp == "swiglu" else 1) * m.ffn / m.width / tp
+    # (--sp: the norms' outputs and the residual sum split over tp, 3 / tp; the norms' outputs all-gathered for q, k,
+    # v and the MLP, whole: 2, an all-gather being no matmul)
+    return (3 / tp + 2 if sp else 3) + 1 / tp + (2 if m.mlp == "swiglu" else 1) * m.ffn / m.width / tp
 
 
 def recomputed_flops(m: Model, lay: Layout, blocks: int) -> float:

@@ -2,9 +2,9 @@
 
     python at_scale/plan.py --model llama3-8b --gpus 8 --gpu h100 --context 8192 --global-batch-tokens 1048576
 
-For every way to split the job (dp x tp x pp x cp, ep for experts; DDP, ZeRO-1, ZeRO-2 or FSDP over the dp x cp ranks;
-the micro-batch; activation checkpointing none, full or selective; sequence parallelism on or off where tp > 1),
-costs.py counts what each rank holds, sends and
+For every way to split the job (dp x tp x pp x cp, ep for experts; DDP, ZeRO-1, ZeRO-2 or FSDP over the dp x cp ranks,
+or HSDP: FSDP over a node's S x cp of them, R replicas of that; the micro-batch; activation checkpointing none, full
+or selective; sequence parallelism on or off where tp > 1), costs.py counts what each rank holds, sends and
 computes in a step (the formulas simulate.py checks against the stages' own code), and this file turns them into
 memory per GPU and time per step on the GPUs of hardware.py (each figure there with its source; nothing fitted to
 the runs it is checked against). A layout fits if its busiest rank's state and activation peak fit in the GPU's
@@ -12,11 +12,12 @@ memory. Step time:
 
 - compute: the rank's FLOPs (and what --ac full computes again) at the matmul rate the GPU reaches;
 - tp, ep: exposed (the next matmul needs the result); cp's ring: hidden behind the attention beside it;
-- dp x cp (DDP's all-reduce, ZeRO's and FSDP's all-gathers and reduce-scatters): hidden behind the compute, but the
-  first gather and the last reduce;
+- dp x cp (DDP's all-reduce, ZeRO's and FSDP's all-gathers and reduce-scatters, HSDP's all-reduce over its
+  replicas): hidden behind the compute, but the first gather and the last reduce;
 - the pipeline (1F1B, the stages' schedule): each stage idle for (pp - 1) micro-batches' time: the bubble.
-A group's bandwidth is NVLink's when its ranks share a node (the grid puts tp innermost, then cp, dp, pp), else the
-network's; every collective also pays NCCL's latency per step of its ring.
+A group's bandwidth is NVLink's when its ranks share a node (the grid puts tp innermost, then cp, dp, pp; HSDP's
+shard group inside dp, its replicas outside), else the network's; every collective also pays NCCL's latency per
+step of its ring.
 """
 from __future__ import annotations
 
@@ -56,9 +57,8 @@ def group_link(lay: Layout, dim: str, gpu: hardware.GPU) -> str:
     grid.py) orders the ranks pp, dp, cp, tp, tp fastest: a group spans its size times the product of the sizes
     inside it."""
     inner = {"tp": 1, "cp": lay.tp, "ep": lay.tp, "dp_cp": lay.tp, "ep_replicas": lay.tp * lay.ep,
-             "pp": lay.dp * lay.cp * lay.tp}[dim]
-    size = {"tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "dp_cp": lay.dp * lay.cp, "ep_replicas": lay.dp_cp // lay.ep,
-            "pp": lay.pp}[dim]
+             "shard_cp": lay.tp, "replicate": lay.tp * lay.shard_cp, "pp": lay.dp * lay.cp * lay.tp}[dim]
+    size = group_size(lay, dim)
     if dim == "ep_replicas":  # every ep-th rank of dp x cp: it spans the whole dp x cp line
         inner, size = lay.tp, lay.dp_cp
     return "nvlink" if inner * size <= gpu.gpus_per_node else "network"
@@ -93,7 +93,7 @@ def comm_seconds(kind: str, calls: int, sent: float, n: int, link: str, gpu: har
 
 def group_size(lay: Layout, dim: str) -> int:
     return {"tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "dp_cp": lay.dp_cp, "ep_replicas": lay.dp_cp // lay.ep,
-            "pp": lay.pp}[dim]
+            "shard_cp": lay.shard_cp, "replicate": lay.replicate, "pp": lay.pp}[dim]
 
 
 def predict(m: Model, lay: Layout, gpu: hardware.GPU, links: Links | None = None,
@@ -120,7 +120,7 @@ def predict(m: Model, lay: Layout, gpu: hardware.GPU, links: Links | None = None
         for (kind, dim), calls in talks.items():
             n, sent = group_size(lay, dim), r.sent[kind, dim][1]
             s = comm_seconds(kind, calls, sent, n, group_link(lay, dim, gpu), gpu, links, interval)
-            key = {"dp_cp": "dp", "ep_replicas": "dp"}.get(dim, dim)
+            key = {"dp_cp": "dp", "ep_replicas": "dp", "shard_cp": "dp", "replicate": "dp"}.get(dim, dim)
             t[key] += s
         # What hides: cp's ring behind the attention beside it (at most the compute), the pipeline's sends behind
         # the next micro-batch's compute, dp's behind the step's compute but its first gather and last reduce.
@@ -187,7 +187,8 @@ def layouts(m: Model, gpus: int, gpus_per_node: int, sequences: int, fixed: dict
                         acc = sequences // dp // mb
                         if pp > 1 and acc < pp:
                             continue
-                        for parallel in PARALLEL:
+                        for parallel, replicate in ((p, r) for p in PARALLEL for r in (replicas(
+                                p, dp, cp, tp, gpus_per_node, fixed.get("replicate")) if not m.experts else [1])):
                             if parallel == "ddp" and (pp > 1 or tp > 1) or \
                                     parallel in ("zero1", "zero2") and dp != gpus:
                                 continue  # the stages split layers (tp, pp) under FSDP2; zero_by_hand is dp alone
@@ -196,9 +197,23 @@ def layouts(m: Model, gpus: int, gpus_per_node: int, sequences: int, fixed: dict
                                         tp == 1 or m.context % (cp * tp) or costs.unmodelled_sp(m, ac, sp))):
                                     continue  # (--sp: the stages' check, tp dividing each cp share)
                                 lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, parallel=parallel, micro_batch=mb,
-                                             accumulate=acc, ac=ac, sp=sp, precision="bf16")
+                                             accumulate=acc, ac=ac, sp=sp, precision="bf16", replicate=replicate)
                                 if all(getattr(lay, k) == v for k, v in fixed.items()):
                                     out.append(lay)
+    return out
+
+
+def replicas(parallel: str, dp: int, cp: int, tp: int, gpus_per_node: int, asked: int | None) -> list[int]:
+    """The R (--replicate) a layout is weighed with: 1, and under FSDP2 the HSDP whose shard group fills a node (S x
+    cp x tp = the GPUs of a node: the gathers on NVLink, the replicas' all-reduce across nodes), where dp has more
+    than one such group; or the R asked for, where it divides dp."""
+    out = [1]
+    if parallel != "fsdp":
+        return out
+    if gpus_per_node % (cp * tp) == 0 and (s := gpus_per_node // (cp * tp)) * cp > 1 and dp % s == 0 and dp > s:
+        out.append(dp // s)
+    if asked is not None and asked not in out and dp % asked == 0 and dp // asked * cp > 1:
+        out.append(asked)
     return out
 
 
@@ -214,13 +229,12 @@ def plan(m: Model, gpus: int, gpu: hardware.GPU, gpus_per_node: int, batch_token
 def llama3_rows() -> list[str]:
     """at_scale/README.md's table: each of Llama 3 405B's published layouts (hardware.LLAMA3_405B_RUNS), micro-batch
     1 under FSDP, with sequence parallelism (hardware.LLAMA3_405B_TRAINING["tensor_parallelism"]), predicted by the
-    planner with the least recomputation that fits (--ac none, else full: what a run would choose; selective with
-    --sp is not modelled)."""
+    planner with the least recomputation that fits (--ac none, else selective, else full: what a run would choose)."""
     out = []
     for run in hardware.LLAMA3_405B_RUNS:
         m = replace(costs.PRESETS["llama3-405b"], context=run.sequence)
-        fixed = dict(tp=run.tp, pp=run.pp, cp=run.cp, dp=run.dp, micro_batch=1, parallel="fsdp", sp=True)
-        preds = [p for ac in ("none", "full")
+        fixed = dict(tp=run.tp, pp=run.pp, cp=run.cp, dp=run.dp, micro_batch=1, parallel="fsdp", sp=True, replicate=1)
+        preds = [p for ac in ("none", "selective", "full")
                  for p in plan(m, run.gpus, hardware.GPUS["h100"], 8, run.tokens_per_batch, {**fixed, "ac": ac})]
         p = next((p for p in preds if p.fits), preds[-1])
         out.append(f"| {run.gpus:,} | {run.tp} | {run.cp} | {run.pp} | {run.dp} | {run.sequence:,} | "
@@ -263,6 +277,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for dim in ("dp", "tp", "pp", "cp", "ep"):
         p.add_argument(f"--{dim}", type=positive(int), help=f"only layouts with this {dim} degree")
     p.add_argument("--parallel", choices=PARALLEL, help="only layouts that hold the state so")
+    p.add_argument("--replicate", type=positive(int),
+                   help="only layouts with R replicas of FSDP2's shards (HSDP, the stages' --replicate; 1: none)")
     p.add_argument("--micro-batch", type=positive(int), help="only layouts with this micro-batch")
     p.add_argument("--ac", choices=costs.AC, help="only layouts with this activation checkpointing (the stages' --ac)")
     p.add_argument("--sp", choices=("yes", "no"),
@@ -289,9 +305,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"argument --pp: {args.pp} stages for {args.model_.layers} blocks; use at most {args.model_.layers}")
     if args.dp and sequences % args.dp:
         p.error(f"argument --dp: {args.dp} does not divide the {sequences:,} sequences of a step")
+    if args.replicate and args.replicate > 1:
+        if args.parallel not in (None, "fsdp"):
+            p.error("argument --replicate: HSDP keeps replicas of FSDP2's shards; use --parallel fsdp or leave "
+                    "--parallel out")
+        if args.gpus % args.replicate or args.dp and args.dp % args.replicate:
+            p.error(f"argument --replicate: {args.replicate} does not divide "
+                    + (f"--dp {args.dp}" if args.dp and args.dp % args.replicate else f"--gpus {args.gpus}"))
+        if args.model_.experts:
+            p.error("argument --replicate: HSDP with experts is not modelled; leave --replicate out")
     if args.out is not None:
         p.check_out_writable(args.out)
-    args.fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "parallel", "micro_batch")
+    args.fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "parallel", "micro_batch", "replicate")
                   if getattr(args, k) is not None}
     if args.ac is not None:
         if (why := costs.unmodelled_ac(args.model_, args.ac, args.cp or 1)) is not None:
@@ -310,7 +335,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def row(p: Prediction) -> list[str]:
     lay, GB = p.layout, 1e9
     return [f"{lay.dp}", f"{lay.tp}", f"{lay.pp}", f"{lay.cp}"] + ([f"{lay.ep}"] if lay.ep > 1 else []) + [
-        lay.parallel, f"{lay.micro_batch} x {lay.accumulate}", lay.ac, "yes" if lay.sp else "no",
+        lay.parallel if lay.replicate == 1 else f"hsdp {lay.replicate}", f"{lay.micro_batch} x {lay.accumulate}",
+        lay.ac, "yes" if lay.sp else "no",
         f"{p.memory['total'] / GB:,.1f}", f"{p.seconds['total']:,.2f}", f"{p.tokens_per_s:,.0f}",
         f"{p.flops_per_gpu / 1e12:,.0f}", f"{p.mfu:.0%}"]
 

@@ -75,6 +75,9 @@ def parse_args(argv: list[str] | None = None, scratch: Path | None = None) -> ar
                         "matmuls and attention (selective)")
     p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
                    help="over the dp x cp ranks: a replica each (DDP) or a shard each (FSDP2)")
+    p.add_argument("--replicate", type=positive(int),
+                   help="HSDP, as stage 13's --replicate (with --parallel fsdp, no --experts): R replicas of FSDP2's "
+                        "shards over dp / R x cp ranks (default 1: none)")
     p.add_argument("--micro-batch", type=positive(int), default=1, help="sequences per micro-batch per dp rank")
     p.add_argument("--accumulate", type=positive(int), default=1,
                    help="micro-batches per step (under --pp, the pipeline's)")
@@ -86,6 +89,8 @@ def parse_args(argv: list[str] | None = None, scratch: Path | None = None) -> ar
                    help="expert-parallel degree: dp x cp ranks that share out the experts (with --experts; default 1)")
     p.add_argument("--out", type=Path, help="write simulate.json here")
     args = p.parse_args(argv)
+    if args.replicate is not None and args.experts is not None:
+        p.error("argument --replicate: stage 14, which runs --experts, has no HSDP; leave --replicate out")
     for flag in ("top_k", "ep"):
         if getattr(args, flag) is not None and args.experts is None:
             p.error(f"argument --{flag.replace('_', '-')}: needs --experts (without it the simulation runs stage "
@@ -122,7 +127,8 @@ def stage_args(args: argparse.Namespace, data: Path, p: ArgumentParser) -> argpa
              "--tp", args.tp, "--pp", args.pp, "--pp-schedule", args.pp_schedule, "--cp", args.cp,
              "--parallel", args.parallel, "--ac", args.ac,
              "--batch-size", args.micro_batch, "--accumulate", args.accumulate, "--device", "cpu", "--sample", "0",
-             "--data", data] + (["--sp"] if args.sp else [])
+             "--data", data] + (["--sp"] if args.sp else []) + \
+        (["--replicate", args.replicate] if args.replicate is not None else [])
     if args.experts is not None:  # stage 14's flags; its checks: k at most E, ep dividing E and the dp x cp ranks
         flags += ["--experts", args.experts, "--top-k", args.top_k or 2, "--ep", args.ep or 1]
     err = io.StringIO()
@@ -373,7 +379,10 @@ class Collectives:
         from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        dimension = {group.group_name: name for name, group in grid.groups.items()}
+        # (One replica, --replicate 1: HSDP's shard group is the dp x cp ranks, and FSDP2's traffic is named dp_cp.)
+        one = grid.sizes.get("replicate", 1) == 1
+        dimension = {group.group_name: "dp_cp" if one and name == "shard_cp" else name
+                     for name, group in grid.groups.items()}
         dimension[dist.group.WORLD.group_name] = "world"
         self.rows: dict[tuple[str, str], list] = {}
         rows = self.rows
@@ -567,7 +576,8 @@ def measured_step(args: argparse.Namespace, fake: bool, even: bool) -> dict:
     device = torch.device("cpu")
     # As the stage's main() makes them: the grid of process groups, this rank's place in its cp group and pipeline
     # (and in stage 14, among the ranks that share out the experts: its ExpertParallel, passed on after cp).
-    sizes = {"pp": a.pp, "dp": args.world // (a.pp * a.cp * a.tp), "cp": a.cp, "tp": a.tp}
+    sizes = {"pp": a.pp, "dp": args.world // (a.pp * a.cp * a.tp), "cp": a.cp, "tp": a.tp,
+             "replicate": getattr(a, "replicate", 1)}  # (HSDP: stage 13's --replicate; 14 has none)
     grid = s.Grid(sizes, a.ep, device, a.timeout) if moe else s.Grid(sizes, device, a.timeout)
     split = a.tp if a.sp else 1  # --sp: each cp share split again over tp, and what the stages pass on too
     cp = s.ContextParallel(grid.group("cp"), a.cp_impl, zigzag=not a.no_zigzag, split=split)
@@ -607,7 +617,7 @@ def measured_step(args: argparse.Namespace, fake: bool, even: bool) -> dict:
     return {
         "stage": args.stage_name, "rank": args.rank, "world": args.world, "coords": grid.coords, "sizes": grid.sizes,
         "ep": a.ep if moe else None, "model": cfg._asdict(), "parameters": total, "active_parameters": active,
-        "parallel": a.parallel, "sp": a.sp,
+        "parallel": a.parallel, "sp": a.sp, "replicate": getattr(a, "replicate", 1),
         "micro_batch": a.batch_size, "accumulate": a.accumulate, "tokens_per_step": trainer.global_batch * cfg.context,
         "state_bytes": {**state, "total": sum(state.values())},
         "activation_peak_bytes": tracker.transient_peak, "held_after_step_bytes": held,

@@ -4,12 +4,14 @@ fits.
 The formulas count, for one rank of a layout, the bytes of its parameters, gradients and AdamW's moments, the bytes it
 sends per collective and per grid dimension, and its activation peak. simulate.py measures the same from the stages'
 own code (stage 13's, stage 14's with experts) on a fake process group. At 1 billion parameters and more, at 64 to
-16,384 ranks, on 13 layouts spanning dp, tp, pp (1F1B and GPipe, first, middle and last stages), cp, ep, DDP and FSDP2
-(two of them under --ac selective, two under full; two with sequence parallelism, --sp, one of those under full):
+16,384 ranks, on 16 layouts spanning dp, tp, pp (1F1B and GPipe, first, middle and last stages), cp, ep, DDP and FSDP2
+(five under --ac selective, one with cp; two under full; four with sequence parallelism, --sp, one under full, two
+under selective on a pipeline: its first stage and its last, simulated apart):
 the state agrees exactly (within 1% is asked), every collective's calls exactly and its bytes within 1% (the rows
 that carry the model's tensors, 1 MiB and up; the gradient norm's few numbers by their calls), and the activation peak
 within 10% (the formulas: Korthikanti et al. 2022's count of what a block saves, redone for this code, and what FSDP2,
-DDP and torch's pipeline hold at the step's busiest moment; costs.py says each).
+DDP and torch's pipeline hold at the step's busiest moment; costs.py says each). HSDP (--replicate) both simulated
+(stage 13's, dp 64 = 8 replicas x 8) and against stage 11's real counts (11_gpt/README's table, tests/test_hsdp.py).
 
 The planner: Llama 3's exact parameter counts; Llama 3 405B's published layouts fit in 80 GB with sequence
 parallelism and --ac full, and do not without checkpointing; what cannot work is said: 405B by DDP
@@ -34,10 +36,11 @@ ACTIVATION_TOLERANCE = 0.10
 # (model shape: layers, width, heads, context, vocab[, experts, top-k]), layout, the rank simulated
 SHAPE_2B = (4, 4096, 32, 4096, 128256)  # 1.87 billion parameters
 SHAPE_MOE = (4, 2048, 16, 2048, 50304, 8, 2)  # 1.35 billion, 8 experts a block, 2 a token
+SHAPE_32K = (4, 4096, 32, 4096, 32000)  # 1.08 billion: Llama 2's vocabulary, whose tables weigh less beside the blocks
 # (4 blocks: each costs the simulation time, not memory; the width, the vocabulary and the context are a real model's.)
 LAYOUTS = [
     (SHAPE_2B, dict(dp=64, ac="selective"), 0),  # --ac selective: what it keeps and what it recomputes
-    (SHAPE_2B, dict(dp=64, parallel="fsdp", accumulate=2), 0),
+    (SHAPE_2B, dict(dp=64, parallel="fsdp", accumulate=2, replicate=8), 0),  # HSDP: 8 replicas of 8-rank shards
     (SHAPE_2B, dict(dp=8, tp=8, parallel="fsdp", ac="selective"), 5),  # at tp 8 it keeps more than none
     (SHAPE_2B, dict(dp=32, tp=8, pp=4, parallel="fsdp", accumulate=8), 0),  # first stage, a block a stage
     (SHAPE_2B, dict(dp=8, tp=4, cp=4, pp=2, parallel="fsdp", accumulate=2, schedule="gpipe"), 255),  # 2 blocks
@@ -51,6 +54,13 @@ LAYOUTS = [
     # pieces (its busiest moment); under --ac full, what the second forward sends again, the gradients accumulating
     (SHAPE_2B, dict(dp=16, tp=4, parallel="fsdp", sp=True), 0),
     (SHAPE_2B, dict(dp=32, tp=2, parallel="fsdp", accumulate=2, ac="full", sp=True), 1),
+    # --ac selective with --sp (what KEEP keeps split by tp, the all-gathered inputs rebuilt whole) on a pipeline:
+    # its first stage (rank 0: the embeddings, their tables' dense gradients at the end of each backward) and its
+    # last (rank 127: dp 15, tp 3; the head and the loss on its pieces), each checked on its own
+    (SHAPE_32K, dict(dp=16, tp=4, pp=2, parallel="fsdp", accumulate=2, ac="selective", sp=True), 0),
+    (SHAPE_32K, dict(dp=16, tp=4, pp=2, parallel="fsdp", accumulate=2, ac="selective", sp=True), 127),
+    # --ac selective with cp: KEEP keeps the ring's matmuls too (ring_kept_bytes), and the ring's hops run again
+    (SHAPE_2B, dict(dp=32, cp=2, ac="selective"), 3),
 ]
 
 
@@ -59,7 +69,8 @@ def flags(shape: tuple, lay, rank: int) -> list[str]:
     out = ["--layers", layers, "--width", width, "--heads", heads, "--context", context, "--vocab", vocab,
            "--world", lay.world, "--tp", lay.tp, "--pp", lay.pp, "--cp", lay.cp, "--parallel", lay.parallel,
            "--micro-batch", lay.micro_batch, "--accumulate", lay.accumulate, "--pp-schedule", lay.schedule,
-           "--ac", lay.ac, "--rank", rank] + (["--sp"] if lay.sp else [])
+           "--ac", lay.ac, "--rank", rank] + (["--sp"] if lay.sp else []) + \
+        (["--replicate", lay.replicate] if lay.replicate > 1 else [])
     if experts:
         out += ["--experts", experts[0], "--top-k", experts[1], "--ep", lay.ep]
     return [str(f) for f in out]
@@ -109,9 +120,9 @@ def simulated(simulate):
 
 
 def test_the_formulas_are_the_simulation(plan, simulated):
-    """13 layouts at 1.35 to 1.87 billion parameters on 64 to 16,384 ranks, every dimension: the state, the bytes sent
+    """16 layouts at 1.08 to 1.87 billion parameters on 64 to 16,384 ranks, every dimension: the state, the bytes sent
     and the activation peak the formulas give for the rank are what the stages' own code does at that size."""
-    assert len(LAYOUTS) >= 13 and any(layout.get("sp") for _, layout, _ in LAYOUTS)
+    assert len(LAYOUTS) >= 16 and any(layout.get("sp") for _, layout, _ in LAYOUTS)
     assert {d for _, layout, _ in LAYOUTS for d in layout if layout[d] != 1} >= {"dp", "tp", "pp", "cp", "ep"}
     sizes = [plan.costs.Layout(**layout).world for _, layout, _ in LAYOUTS]
     assert min(sizes) >= 64 and max(sizes) == 16384
@@ -126,7 +137,8 @@ def test_a_wrong_formula_is_seen(plan, simulated, monkeypatch):
     without one) instead of once a micro-batch and once more; DDP's all-reduce counted as a reduce-scatter's bytes;
     --ac selective counted as none (what a block keeps, and nothing rebuilt); --ac full's recomputation sending
     nothing; --sp counted as no sp (all-reduces in place of its all-gathers and reduce-scatters, the norms whole, the
-    head and the loss whole)."""
+    head and the loss whole); selective under --sp keeping as without it, under cp nothing of the ring's; HSDP's
+    replicas all-reducing whole gradients, not their shard's."""
     costs = plan.costs
     pipelined = next(i for i, (_, lay, _) in enumerate(LAYOUTS) if lay.get("pp", 1) > 1)
     real = costs.rank_costs
@@ -159,8 +171,32 @@ def test_a_wrong_formula_is_seen(plan, simulated, monkeypatch):
     for i in (i for i, (_, lay, _) in enumerate(LAYOUTS) if lay.get("sp")):
         shape, layout, rank = LAYOUTS[i]
         found = differences(costs, shape, layout, rank, simulated[i])
-        assert any(d.startswith("parameters:") for d in found) and any("('all_gather', 'tp')" in d for d in found) \
-            and any("activation peak" in d for d in found), found
+        head = simulated[i]["coords"]["pp"] == layout.get("pp", 1) - 1  # (the head, split by --sp: the last stage's)
+        assert (any(d.startswith("parameters:") for d in found) or not head) and \
+            any("('all_gather', 'tp')" in d for d in found) and any("activation peak" in d for d in found), found
+    # --ac selective as if --sp split nothing it keeps (the block's input, the reduce-scatters' outputs whole), and
+    # with cp as if it kept nothing of the ring's
+    monkeypatch.undo()
+    kept = costs.block_kept_units
+    monkeypatch.setattr(costs, "block_kept_units", lambda m, tp, ac, sp=False, cp=1: kept(
+        m, tp, ac, sp and ac != "selective", cp))
+    monkeypatch.setattr(costs, "ring_kept_bytes", lambda m, lay: 0.0)
+    first = next(i for i, (_, lay, rank) in enumerate(LAYOUTS) if lay.get("sp") and lay.get("ac") == "selective" and
+                 lay.get("pp", 1) > 1 and rank == 0)  # (on the last stage, where the loss weighs more, by 11%)
+    ring = next(i for i, (_, lay, _) in enumerate(LAYOUTS) if lay.get("ac") == "selective" and lay.get("cp", 1) > 1)
+    for i in (first, ring):
+        shape, layout, rank = LAYOUTS[i]
+        assert any("activation peak" in d for d in differences(costs, shape, layout, rank, simulated[i])), layout
+    monkeypatch.undo()
+
+    def whole_gradients(m, lay, stage=0):
+        r = real(m, lay, stage)
+        calls, sent = r.sent[("all_reduce", "replicate")]
+        return dataclasses.replace(r, sent={**r.sent, ("all_reduce", "replicate"): [calls, sent * lay.shard_cp]})
+    monkeypatch.setattr(costs, "rank_costs", whole_gradients)
+    hsdp = next(i for i, (_, lay, _) in enumerate(LAYOUTS) if lay.get("replicate", 1) > 1)
+    shape, layout, rank = LAYOUTS[hsdp]
+    assert any("'replicate'" in d for d in differences(costs, shape, layout, rank, simulated[hsdp]))
 
 
 def test_llama3_presets_have_llama3s_parameters(plan):
@@ -177,17 +213,17 @@ def published(plan, run, **fixed):
 def test_llama3_405b_published_layouts_fit_with_checkpointing(plan):
     """Each of Table 4's layouts, micro-batch 1: fits in 80 GB with --ac full, with sequence parallelism or without,
     and not with none either way (16 micro-batches in flight on the first stage: with --sp a block still keeps its
-    matmuls' gathered inputs whole) nor, where it is modelled (cp 1, no sp), selective (at tp 8 it keeps as much as
-    none). Sequence parallelism divides what full keeps (a block's input) by tp: less memory."""
+    matmuls' gathered inputs whole) nor with selective (at tp 8 it keeps as much as none; with --sp a little less).
+    Sequence parallelism divides what full keeps (a block's input) by tp: less memory."""
     for run in plan.hardware.LLAMA3_405B_RUNS:
-        full, full_sp, none, none_sp, selective = (
-            published(plan, run, parallel="fsdp", ac=ac, sp=sp)
-            for ac, sp in (("full", False), ("full", True), ("none", False), ("none", True), ("selective", False)))
-        assert len(full) == len(full_sp) == len(none) == len(none_sp) == 1 and len(selective) == (run.cp == 1)
+        full, full_sp, none, none_sp, selective, selective_sp = (
+            published(plan, run, parallel="fsdp", ac=ac, sp=sp) for ac in ("full", "none", "selective")
+            for sp in (False, True))
+        assert all(len(p) == 1 for p in (full, full_sp, none, none_sp, selective, selective_sp))
         for fits in (full[0], full_sp[0]):
             assert fits.fits and fits.memory["total"] <= 80e9, (run, fits.memory)
         assert full_sp[0].memory["total"] < full[0].memory["total"]
-        assert not any(p.fits for p in none + none_sp + selective), (run, none[0].memory)
+        assert not any(p.fits for p in none + none_sp + selective + selective_sp), (run, none[0].memory)
         assert math.isclose(full[0].layout.accumulate * run.dp * run.sequence, run.tokens_per_batch)
 
 
@@ -244,3 +280,33 @@ def test_readme_ranks_the_published_layout_as_the_planner_does(plan):
                 (8, 16, 1, 128))
     text = " ".join((ROOT / "at_scale" / "README.md").read_text().split())
     assert f"ranked {rank}th of the {len(fit)} that fit" in text, (rank, len(fit))
+
+
+# 11_gpt/README's HSDP table: rank 0's state and traffic in one step of stage 11's real HSDP (R 2 x S 2) and FSDP2
+# (S 4) on 4 forked gloo ranks, float64 (tests/test_hsdp.py counts them by op, size and group, and checks the table
+# holds its counts): bytes held, or received (a gather's or scatter's elements x (S - 1)/S, a ring all-reduce's x 2
+# (R - 1)/R, x 8).
+HSDP_ROWS = {"state": "state: weights, gradients, AdamW's moments", "gathers": "all-gathers in the shard group",
+             "scatters": "reduce-scatters in the shard group", "across": "all-reduce across the replicas"}
+
+
+def test_hsdp_formulas_are_stage_11s_counts(plan):
+    """HSDP in the formulas (Layout.replicate): a rank's state 16 bytes a parameter / S (AdamW's step counters
+    aside, as the table counts), the all-gathers and
+    reduce-scatters over the S ranks of its shard group, an all-reduce of its 1/S of the gradients over the R replicas;
+    each equal to what stage 11's real HSDP moved, on its 4-rank test model (beside the simulation of stage 13's,
+    in LAYOUTS: fake ranks, this one real)."""
+    text = (ROOT / "11_gpt" / "README.md").read_text()
+    shown = {key: re.search(rf"^\| {re.escape(start)} \| ([\d,]+) \| ([\d,]+|none) \|", text, re.M)
+             for key, start in HSDP_ROWS.items()}
+    assert all(shown.values()), shown
+    model = plan.costs.tutorial_gpt(2, 32, 2, 32, 65)  # test_hsdp's GPT (test_sequence_parallel's TINY)
+    assert f"P = {plan.costs.parameters(model):,} parameters" in text
+    for column, (replicate, shards) in enumerate(((2, "shard_cp"), (1, "dp_cp"))):
+        r = plan.costs.rank_costs(model, plan.costs.Layout(dp=4, parallel="fsdp", replicate=replicate))
+        predicted = {"state": 4 * r.parameters, "gathers": r.sent[("all_gather", shards)][1],
+                     "scatters": r.sent[("reduce_scatter", shards)][1],
+                     "across": r.sent.get(("all_reduce", "replicate"), (0, 0))[1]}
+        for key, found in shown.items():
+            counted = 0 if found[column + 1] == "none" else int(found[column + 1].replace(",", ""))
+            assert 2 * predicted[key] == counted, (key, replicate, 2 * predicted[key], counted)  # float64: twice
