@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None = None, scratch: Path | None = None) -> ar
     p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
                    help="over the dp x cp ranks: a replica each (DDP) or a shard each (FSDP2)")
     p.add_argument("--replicate", type=positive(int),
-                   help="HSDP, as stage 13's --replicate (with --parallel fsdp, no --experts): R replicas of FSDP2's "
+                   help="HSDP, as stages 13 and 14's --replicate (with --parallel fsdp): R replicas of FSDP2's "
                         "shards over dp / R x cp ranks (default 1: none)")
     p.add_argument("--micro-batch", type=positive(int), default=1, help="sequences per micro-batch per dp rank")
     p.add_argument("--accumulate", type=positive(int), default=1,
@@ -89,8 +89,6 @@ def parse_args(argv: list[str] | None = None, scratch: Path | None = None) -> ar
                    help="expert-parallel degree: dp x cp ranks that share out the experts (with --experts; default 1)")
     p.add_argument("--out", type=Path, help="write simulate.json here")
     args = p.parse_args(argv)
-    if args.replicate is not None and args.experts is not None:
-        p.error("argument --replicate: stage 14, which runs --experts, has no HSDP; leave --replicate out")
     for flag in ("top_k", "ep"):
         if getattr(args, flag) is not None and args.experts is None:
             p.error(f"argument --{flag.replace('_', '-')}: needs --experts (without it the simulation runs stage "
@@ -577,7 +575,7 @@ def measured_step(args: argparse.Namespace, fake: bool, even: bool) -> dict:
     # As the stage's main() makes them: the grid of process groups, this rank's place in its cp group and pipeline
     # (and in stage 14, among the ranks that share out the experts: its ExpertParallel, passed on after cp).
     sizes = {"pp": a.pp, "dp": args.world // (a.pp * a.cp * a.tp), "cp": a.cp, "tp": a.tp,
-             "replicate": getattr(a, "replicate", 1)}  # (HSDP: stage 13's --replicate; 14 has none)
+             "replicate": a.replicate}  # (HSDP: the stage's --replicate)
     grid = s.Grid(sizes, a.ep, device, a.timeout) if moe else s.Grid(sizes, device, a.timeout)
     split = a.tp if a.sp else 1  # --sp: each cp share split again over tp, and what the stages pass on too
     cp = s.ContextParallel(grid.group("cp"), a.cp_impl, zigzag=not a.no_zigzag, split=split)
@@ -617,7 +615,7 @@ def measured_step(args: argparse.Namespace, fake: bool, even: bool) -> dict:
     return {
         "stage": args.stage_name, "rank": args.rank, "world": args.world, "coords": grid.coords, "sizes": grid.sizes,
         "ep": a.ep if moe else None, "model": cfg._asdict(), "parameters": total, "active_parameters": active,
-        "parallel": a.parallel, "sp": a.sp, "replicate": getattr(a, "replicate", 1),
+        "parallel": a.parallel, "sp": a.sp, "replicate": a.replicate,
         "micro_batch": a.batch_size, "accumulate": a.accumulate, "tokens_per_step": trainer.global_batch * cfg.context,
         "state_bytes": {**state, "total": sum(state.values())},
         "activation_peak_bytes": tracker.transient_peak, "held_after_step_bytes": held,

@@ -634,6 +634,8 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
                           ("--rank", "2"): "--rank",  # not a rank of --world 2
                           ("--experts", "0"): "--experts", ("--ep", "2"): "--ep",  # --ep, --top-k: with --experts
                           ("--top-k", "3", "--experts", "2"): "--top-k",  # k more than E: stage 14's own check
+                          ("--replicate", "0"): "--replicate",
+                          ("--world", "4", "--parallel", "fsdp", "--replicate", "3"): "--replicate",  # dp 4: 13's check
                           ("--out", "{file}/sub"): "--out"},
     # A model (a preset or the shape), the GPUs and the batch given, as a user would; then one bad value.
     "at_scale/plan": {("--gpus", "0"): "--gpus", ("--gpu", "tpu"): "--gpu", ("--model", "gpt5"): "--model",
@@ -648,6 +650,8 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
                       ("--parallel", "zero4"): "--parallel", ("--micro-batch", "0"): "--micro-batch",
                       ("--ac", "some"): "--ac", ("--show", "0"): "--show",
                       ("--sp", "maybe"): "--sp", (*PLAN, "--sp", "yes", "--tp", "1"): "--sp",  # no tp to split over
+                      ("--replicate", "0"): "--replicate", (*PLAN, "--replicate", "3"): "--replicate",  # 8 GPUs
+                      (*PLAN, "--parallel", "ddp", "--replicate", "2"): "--replicate",  # HSDP replicates FSDP2's shards
                       ("--gpus", "8", "--global-batch-tokens", "65536", "--layers", "2"): "--model",  # no width, heads
                       (*PLAN, "--out", "{file}/sub"): "--out"},
     # Without --measure it reads its measurements from --out: a folder without them is refused.
