@@ -22,9 +22,9 @@ is the reference's micro-batch i):
 And with stage 13's schedules of 2 stages a rank (4 blocks, 3 steps, against `one_v`: one process of 2 windows x 4
 micro-batches), each block's experts and balancing loss carried through torch's schedule:
 
-    interleaved  torchrun 2: pp 2, interleaved 1F1B (rank 0 holds stages 0 and 2), 4 micro-batches of 2
+    interleaved  torchrun 4: pp 2 x tp 2 --sp, interleaved 1F1B (rank 0 holds stages 0 and 2), 4 micro-batches of 2
     zbv_ep       torchrun 4: dp 2 x pp 2, ZB-V (the split backward; rank 0 holds 0 and 3), ep 2 of the dp
-    aux_stage    interleaved's command, the second stage's balancing loss left out
+    aux_stage    interleaved's command without --tp, the second stage's balancing loss left out
     resharded    zbv_ep's command, the blocks resharded after their forward (the weight gradients then lost)
 
 Every state (weights, both AdamW moments), loss, gradient norm and the tokens each expert took are compared, within
@@ -265,9 +265,10 @@ def test_bad_expert_flags_are_one_line_and_exit_2():
 # ─── Several pipeline stages a rank, with experts ───────────────────────────────────────────────────────────────────
 # Stage 13's --stages-per-rank 2 at pp 2 (4 stages): the tiny model with 4 blocks, one a stage, 3 steps, each block's
 # experts and balancing loss carried through torch's schedule. The reference: one process of the same micro-batches,
-# 4 of 2 windows (the balancing loss counts its load per micro-batch). Interleaved 1F1B on 2 processes, 2 windows a
-# micro-batch; ZB-V (the split backward: input gradients, then the weights') on dp 2 x pp 2 with the experts over ep 2
-# of the dp ranks, 1 window a micro-batch a rank. Two planted bugs, each on one of their commands.
+# 4 of 2 windows (the balancing loss counts its load per micro-batch). Interleaved 1F1B on pp 2 x tp 2 --sp (4
+# processes; each tp rank routes its own tokens), 2 windows a micro-batch; ZB-V (the split backward: input gradients,
+# then the weights') on dp 2 x pp 2 with the experts over ep 2 of the dp ranks, 1 window a micro-batch a rank. Two
+# planted bugs, each on one of their commands.
 PPV = ("--layers", "4", "--max-steps", "3", "--pp", "2", "--stages-per-rank", "2", "--parallel", "fsdp",
        "--accumulate", "4")
 INTERLEAVED = (*PPV, "--pp-schedule", "interleaved1f1b", "--batch-size", "2")
@@ -288,19 +289,19 @@ def stage_runs(tmp_path_factory) -> dict[str, Run]:
     tmp = tmp_path_factory.mktemp("experts_stages")
     print(f"seed {SEED}: CONTEXT_PARALLEL_SEED={SEED} reruns it")
     chains = {"zbv_ep": [step(4, *ZBV_EP)], "resharded": [step(4, *ZBV_EP)],  # the 4-process ones first
-              "interleaved": [step(2, *INTERLEAVED)], "aux_stage": [step(2, *INTERLEAVED)],
+              "interleaved": [step(4, *INTERLEAVED, "--tp", "2", "--sp")], "aux_stage": [step(2, *INTERLEAVED)],
               "one_v": [step(1, "--layers", "4", "--max-steps", "3", "--batch-size", "2", "--accumulate", "4")]}
     scripts = {bug: mutate(STAGE, old, new, tmp / f"{bug}_stage") for bug, (old, new, _) in STAGE_BUGS.items()}
     return run_chains(chains, tmp, scripts=scripts, args=("--data", str(small_corpus(tmp))))
 
 
 def test_several_stages_a_rank_with_experts_are_one_process(stage_runs):
-    """Interleaved 1F1B (rank 0 holds stages 0 and 2) and ZB-V beside dp 2 and ep 2 (rank 0 holds 0 and 3, the V):
-    every state, loss, gradient norm, the held-out loss, the sample, the tokens each expert took and the balancing
-    loss of every step are one process's of the same micro-batches."""
+    """Interleaved 1F1B beside tp 2 --sp (rank 0 holds stages 0 and 2) and ZB-V beside dp 2 and ep 2 (rank 0 holds 0
+    and 3, the V): every state, loss, gradient norm, the held-out loss, the sample, the tokens each expert took and
+    the balancing loss of every step are one process's of the same micro-batches."""
     one = stage_runs["one_v"]
     for name, placed, layout in [
-            ("interleaved", "[0, 2]", "pp 2, interleaved 1F1B, 2 stages a rank, 4 micro-batches of 2"),
+            ("interleaved", "[0, 2]", "pp 2 × tp 2 `--sp`, interleaved 1F1B, 2 stages a rank, 4 micro-batches of 2"),
             ("zbv_ep", "[0, 3]", "dp 2 × pp 2, ZB-V (2 stages a rank in a V), ep 2 of the dp, 4 micro-batches of 1 "
                                  "a rank")]:
         run = stage_runs[name]
