@@ -18,6 +18,10 @@ also infers the pipeline's shapes and creates AdamW's moments; DDP's second rebu
 - the bytes it sends, per collective and per dimension of the grid, counted at every c10d op whoever calls it;
 - the FLOPs of its step (torch's FlopCounterMode), of its own pieces of every tensor.
 
+The pipeline runs under the stages' own schedules: GPipe, 1F1B, and with --stages-per-rank v, interleaved 1F1B (v
+stages a rank, round-robin: Llama 3's). Their zero-bubble schedules are refused: they split each backward in two,
+and torch's memory tracker cannot follow that (on real tensors neither).
+
 Where the fake process group or fake tensors cannot carry a piece of the code, a shim stands in; the output lists
 each one the run used ("assumed"). tests/test_at_scale.py runs the same measurement on real tensors in a real gloo
 job of the same layout, at a size this machine trains, and checks that the numbers agree.
@@ -69,7 +73,13 @@ def parse_args(argv: list[str] | None = None, scratch: Path | None = None) -> ar
     p.add_argument("--sp", action="store_true",
                    help="sequence parallelism, as the stages' --sp (with --tp): the norms, the residual stream and "
                         "the loss split by sequence over tp")
-    p.add_argument("--pp-schedule", choices=["gpipe", "1f1b"], default="1f1b", help="the pipeline's schedule")
+    runs = [kind for kind in pipeline().SCHEDULES if kind not in pipeline().SPLIT_BACKWARD]
+    p.add_argument("--pp-schedule", choices=list(pipeline().SCHEDULES), metavar="{" + ",".join(runs) + "}",
+                   default="1f1b", help="the pipeline's schedule, as the stages' --pp-schedule: GPipe or 1F1B, or "
+                                        "with --stages-per-rank 2 or more, interleaved 1F1B (the zero-bubble ones are "
+                                        "refused: torch's memory tracker cannot follow their split backward)")
+    p.add_argument("--stages-per-rank", type=positive(int), default=1,
+                   help="pipeline stages each pp rank holds (virtual stages), as the stages' --stages-per-rank")
     p.add_argument("--ac", choices=["none", "full", "selective"], default="none",
                    help="activation checkpointing, as the stages' --ac: none, every block (full), or all but its "
                         "matmuls and attention (selective)")
@@ -94,6 +104,10 @@ def parse_args(argv: list[str] | None = None, scratch: Path | None = None) -> ar
             p.error(f"argument --{flag.replace('_', '-')}: needs --experts (without it the simulation runs stage "
                     f"13's dense GPT, which has no experts)")
     args.stage_name = STAGE if args.experts is None else EXPERTS_STAGE
+    if args.pp_schedule in pipeline().SPLIT_BACKWARD:
+        p.error(f"argument --pp-schedule: {args.pp_schedule} splits each backward in two (the input gradients by "
+                f"autograd.grad, then the weights'), which torch's memory tracker cannot follow (its module hooks "
+                f"fail inside autograd.grad, fake tensors or not); use {', '.join(runs)}")
     if args.vocab > CHARACTERS:
         p.error(f"argument --vocab: at most {CHARACTERS:,} (the characters of the made-up text), got {args.vocab:,}")
     if not 0 <= args.rank < args.world:
@@ -122,7 +136,8 @@ def stage_args(args: argparse.Namespace, data: Path, p: ArgumentParser) -> argpa
     """The stage's parse_args on the stage's flags at --world ranks: its checks refuse a layout it cannot run (a
     degree that does not divide the world or the heads, fewer blocks than stages, ...); their line is said here."""
     flags = ["--layers", args.layers, "--width", args.width, "--heads", args.heads, "--context", args.context,
-             "--tp", args.tp, "--pp", args.pp, "--pp-schedule", args.pp_schedule, "--cp", args.cp,
+             "--tp", args.tp, "--pp", args.pp, "--pp-schedule", args.pp_schedule,
+             "--stages-per-rank", args.stages_per_rank, "--cp", args.cp,
              "--parallel", args.parallel, "--ac", args.ac,
              "--batch-size", args.micro_batch, "--accumulate", args.accumulate, "--device", "cpu", "--sample", "0",
              "--data", data] + (["--sp"] if args.sp else []) + \
@@ -142,6 +157,11 @@ def stage_args(args: argparse.Namespace, data: Path, p: ArgumentParser) -> argpa
 def stage(name: str = STAGE) -> ModuleType:
     """A stage's train.py as a module, with the files beside it (tour.load_stage): stage 13's, or 14's."""
     return load_stage(name)
+
+
+def pipeline(name: str = STAGE) -> ModuleType:
+    """A stage's pipeline.py, as its train.py imported it: the schedules' names, held_at_most."""
+    return sys.modules[stage(name).Pipeline.__module__]
 
 
 # ─── The shims: what the fake process group and fake tensors cannot carry ─────────────────────────────────────────
@@ -166,7 +186,29 @@ ASSUMED = {
     "pp_shapes": "the pipeline's first step learns from its neighbours what they send (a vote, then the shapes): the "
                  "vote runs on real tensors, and what a neighbour sends is what pipeline.py says passes between "
                  "stages, the residual stream: [micro-batch, context / cp, width], float32",
+    "p2p_held": "a pipeline's send or receive holds its tensor for as long as its work object lives, as gloo's does "
+                "(torch's interleaved schedule waits on its sends at the end of the step: what they sent stays held "
+                "until then); the fake group's work holds none",
 }
+
+
+class HeldWork:
+    """A fake group's work for a batch of sends and receives, holding their tensors while it lives, as a real backend's
+    does (ASSUMED["p2p_held"])."""
+
+    def __init__(self, work, tensors: list) -> None:
+        self.work, self.tensors = work, tensors
+
+    def wait(self, *a, **k):
+        return self.work.wait(*a, **k)
+
+
+def held_p2p(batch_p2p):
+    """torch's _batch_p2p (the pipeline schedules' sends and receives), its works holding what they move."""
+    @functools.wraps(batch_p2p)
+    def run(p2p_ops, desc=None):
+        return [HeldWork(w, [op.tensor for op in p2p_ops]) for w in batch_p2p(p2p_ops, desc)]
+    return run
 
 
 def neighbour_sends(micro_batch: int, tokens: int, width: int, dtype):
@@ -191,8 +233,8 @@ def simulated(args: argparse.Namespace) -> Iterator[None]:
     from torch import nn
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+    from torch.distributed.pipelining import PipelineStage, schedules
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
     def on_real_tensors(method):
         @functools.wraps(method)
@@ -213,12 +255,12 @@ def simulated(args: argparse.Namespace) -> Iterator[None]:
     shims = [mock.patch.object(nn.Module, "to", to_unless_unchanged),
              mock.patch.object(DeviceMesh, "__init__", on_real_tensors(DeviceMesh.__init__)),
              mock.patch("torch.nn.parallel.distributed._verify_param_shape_across_processes", lambda *a, **k: None),
-             mock.patch.object(PipelineScheduleSingle, "_warmup_p2p",
-                               on_real_tensors(PipelineScheduleSingle._warmup_p2p)),
+             mock.patch.object(_PipelineSchedule, "_warmup_p2p", on_real_tensors(_PipelineSchedule._warmup_p2p)),
              mock.patch.object(PipelineStage, "_recv_meta",
                                neighbour_sends(args.micro_batch, args.context // args.cp // (args.tp if args.sp else 1),
                                                args.width, torch.float32)),
-             mock.patch.object(PipelineStage, "_send_meta", lambda *a, **k: None)]
+             mock.patch.object(PipelineStage, "_send_meta", lambda *a, **k: None),
+             mock.patch.object(schedules, "_batch_p2p", held_p2p(schedules._batch_p2p))]
     with contextlib.ExitStack() as stack:
         for shim in shims:
             stack.enter_context(shim)
@@ -292,7 +334,7 @@ def routing_counts():
 def shims_used(a: argparse.Namespace, moe: bool) -> list[str]:
     """What ASSUMED says for the shims a run of the stage's arguments `a` goes through (moe: stage 14's)."""
     used = {"to", "mesh"} | ({"ddp_verify", "ddp_hook", "ddp_buckets"} if a.parallel == "ddp" else set()) | \
-        ({"pp_shapes"} if a.pp > 1 else set()) | ({"even_load"} if moe else set())
+        ({"pp_shapes", "p2p_held"} if a.pp > 1 else set()) | ({"even_load"} if moe else set())
     return [text for key, text in ASSUMED.items() if key in used]
 
 
@@ -450,10 +492,12 @@ def memory_tracker(model, optimizer):
         def __enter__(self):
             # The trackers refuse a model called again in one step ("multiple iterative calls"), as every micro-batch
             # of --accumulate and of the pipeline calls it: before each call they forget the model's own statistics
-            # (per module, not used here; the bytes held are kept).
+            # (per module, not used here; the bytes held are kept). --stages-per-rank: each stage's model is called.
+            called = {id(model)} | {id(part) for part in getattr(model, "parts", [])}
+
             def forget(module, inputs) -> None:  # (a pre-hook that returns something replaces the inputs)
-                if module is model:
-                    self.memory_tracking.pop(model, None)
+                if id(module) in called:
+                    self.memory_tracking.pop(module, None)
             self.forget = register_module_forward_pre_hook(forget)
             return super().__enter__()
 
@@ -580,7 +624,8 @@ def measured_step(args: argparse.Namespace, fake: bool, even: bool) -> dict:
     split = a.tp if a.sp else 1  # --sp: each cp share split again over tp, and what the stages pass on too
     cp = s.ContextParallel(grid.group("cp"), a.cp_impl, zigzag=not a.no_zigzag, split=split)
     ep = [s.ExpertParallel(grid.group("ep"), grid.group("ep_replicas"), device)] if moe else []
-    pipe = s.Pipeline(grid.group("pp"), a.width, s.DTYPES[a.dtype], split)
+    pipe = s.Pipeline(grid.group("pp"), a.width, s.DTYPES[a.dtype], split, a.stages_per_rank,
+                      a.pp_schedule in s.V_SHAPED)
     corpus = s.load_corpus(a.data)
     routing = even_routing(fake) if moe and even else contextlib.nullcontext()
     with simulated(args) if fake else contextlib.nullcontext(), routing:
@@ -612,10 +657,15 @@ def measured_step(args: argparse.Namespace, fake: bool, even: bool) -> dict:
     for row in sent:
         by_dimension[row["dimension"]] = by_dimension.get(row["dimension"], 0.0) + row["sent_bytes"]
     total, active = s.parameters(cfg) if moe else (s.parameters(cfg),) * 2
+    # The most micro-batches' activations of a stage a rank holds at once, as torch's own table of the schedule says
+    most_held = None if pipe.size == 1 else pipeline(args.stage_name).held_at_most(trainer.schedule, a.accumulate,
+                                                                                   pipe.size)
     return {
         "stage": args.stage_name, "rank": args.rank, "world": args.world, "coords": grid.coords, "sizes": grid.sizes,
         "ep": a.ep if moe else None, "model": cfg._asdict(), "parameters": total, "active_parameters": active,
         "parallel": a.parallel, "sp": a.sp, "replicate": a.replicate,
+        "pp_schedule": a.pp_schedule if pipe.size > 1 else None, "stages_per_rank": a.stages_per_rank,
+        "stages": pipe.stages, "held_micro_batches": most_held,
         "micro_batch": a.batch_size, "accumulate": a.accumulate, "tokens_per_step": trainer.global_batch * cfg.context,
         "state_bytes": {**state, "total": sum(state.values())},
         "activation_peak_bytes": tracker.transient_peak, "held_after_step_bytes": held,
@@ -633,6 +683,10 @@ def show(result: dict) -> None:
     print(f"[{result['stage']}] rank {result['rank']} of {result['world']:,} (" + ", ".join(
         f"{d} {c} of {result['sizes'][d]}" for d, c in result["coords"].items()) + f") | {result['parallel']}"
           + (" | --sp" if result["sp"] else ""))
+    if result["pp_schedule"] is not None:  # the most micro-batches' activations a rank holds: torch's table says
+        print(f"pipeline: {result['pp_schedule']}, {result['sizes']['pp'] * result['stages_per_rank']} stages, this "
+              f"rank's {result['stages']} | at most {result['held_micro_batches']} micro-batches' activations of a "
+              f"stage held at once (pipeline.py held_at_most)")
     print(f"model: {m['layers']} blocks, width {m['width']}, {m['heads']} heads, context {m['context']}, vocabulary "
           f"{m['vocab']:,}: {result['parameters']:,} parameters | micro-batch {result['micro_batch']} x "
           f"{result['accumulate']} per dp rank, {result['tokens_per_step']:,} tokens a step")

@@ -5,15 +5,17 @@ what the same rank measures in a real gloo job of the same stage and layout, wit
 (simulate.measure on real tensors): the bytes of its parameters, gradients and AdamW's moments exactly, the bytes it
 sends per collective and per dimension of the grid exactly (calls too), the FLOPs of its step exactly, and its
 activation peak (torch's MemTracker, FSDPMemTracker for FSDP2, on real tensors there) within 5%. Layouts: DDP,
-FSDP2, pp 2 (GPipe), cp 2, tp 2 with sequence parallelism (--sp), and pp 2 x cp 2 x tp 2 (1F1B, FSDP2) on 8
-ranks; stage 14's experts over ep 2 of 4 ranks, whose real job runs under the simulation's even load (compared
-exactly) and again under its router's own (compared where the load does not matter: test_the_router_load).
+FSDP2, pp 2 (GPipe), pp 2 with 2 stages a rank (interleaved 1F1B, FSDP2), cp 2, tp 2 with sequence parallelism
+(--sp), and pp 2 x cp 2 x tp 2 (1F1B, FSDP2) on 8 ranks; stage 14's experts over ep 2 of 4 ranks, whose real job
+runs under the simulation's even load (compared exactly) and again under its router's own (compared where the load
+does not matter: test_the_router_load).
 
 The counting itself is checked against what the stage's design says, independently of the simulation: DDP's
 all-reduce hands over every gradient once (at W = 2, as many bytes as the weights), its state is 16 bytes a weight
 (weights, gradients, AdamW's two moments) plus AdamW's step counters, and tensor parallelism all-reduces six
 activations a block a micro-batch (TP_PLAN: two forward, four backward), the rest being the gradient norm's scalars;
-experts.py's all-to-alls carry each rank's share of an even load.
+experts.py's all-to-alls carry each rank's share of an even load; interleaving sends across every boundary of the
+2 pp stages of a rank.
 
 The real jobs are one forked launch per layout (tests/harness.py forked_ranks); the simulations run in-process.
 """
@@ -38,6 +40,9 @@ LAYOUTS = {
     "pp": ("--world", "2", "--parallel", "fsdp", "--pp", "2", "--pp-schedule", "gpipe", "--accumulate", "3"),
     "cp": ("--world", "2", "--cp", "2"),
     "sp": ("--world", "2", "--parallel", "fsdp", "--tp", "2", "--sp"),  # --sp: SP_PLAN, SP_AROUND, loss_parallel
+    # Interleaved 1F1B (Megatron's, Llama 3's): 4 stages of a block each, 2 a rank (rank r: stages r and r + 2).
+    "interleaved": ("--world", "2", "--parallel", "fsdp", "--layers", "4", "--pp", "2", "--pp-schedule",
+                    "interleaved1f1b", "--stages-per-rank", "2", "--accumulate", "4"),
     "pp_cp_tp": ("--world", "8", "--parallel", "fsdp", "--pp", "2", "--cp", "2", "--tp", "2", "--accumulate", "2"),
     # Stage 14: 4 experts, k = 2, shared out over ep 2 of the 4 dp ranks (two ep groups, each expert on two replicas).
     # 33 positions: 66 routed rows a micro-batch, which 4 experts cannot share evenly (17, 17, 16, 16), so that the two
@@ -115,12 +120,13 @@ def simulated(simulate, layout: str, rank: int, tmp: Path) -> dict:
 def differences(sim: dict, real: dict) -> list[str]:
     """What the simulation says differently from the real run, in words (empty: they agree)."""
     found = []
-    for key in ("state_bytes", "sent", "flops", "coords"):
+    for key in ("state_bytes", "sent", "flops", "coords", "stages", "held_micro_batches"):
         if sim[key] != real[key]:
             found.append(f"{key}: simulated {sim[key]} | real {real[key]}")
     a, b = sim["activation_peak_bytes"], real["activation_peak_bytes"]
     if abs(a - b) > ACTIVATION_TOLERANCE * b:
-        found.append(f"activation peak: simulated {a:,} | real {b:,} bytes ({a / b - 1:+.1%})")
+        found.append(f"activation peak: simulated {a:,} | real {b:,} bytes ({a / b - 1:+.1%}); held then, simulated "
+                     f"{sim['at_activation_peak']} | real {real['at_activation_peak']}")
     return found
 
 
@@ -213,6 +219,21 @@ def test_the_experts_all_to_alls_carry_an_even_share(sims):
         assert (row["dimension"], row["calls"], row["tensor_bytes"], row["sent_bytes"]) == \
             ("ep", 5 * calls, tensor, sent), (rank, row)
         assert sim["flops"] == step_flops(sim, expert_rows=ep * own), rank
+
+
+def test_interleaving_sends_across_every_stage_boundary(sims):
+    """Independent of the simulation: under --stages-per-rank v, round-robin, every stage but the last sends each of
+    the m micro-batches' activations on to the next stage's rank, and every stage but the first their gradients back
+    (a [micro-batch, context, width] float32 tensor each). At pp 2 each rank holds one end of the pipeline, stage 0
+    or stage 2v - 1: m (2v - 1) sends, and as many receives; one stage a rank (1F1B) would send m."""
+    for rank in range(world_of("interleaved")):
+        sim = sims("interleaved", rank)
+        m, v, pp = sim["accumulate"], sim["stages_per_rank"], sim["sizes"]["pp"]
+        calls, each = m * (2 * v - 1), sim["micro_batch"] * sim["model"]["context"] * sim["model"]["width"] * 4
+        assert (sim["pp_schedule"], v, sim["stages"]) == ("interleaved1f1b", 2, [rank, rank + pp]), sim["stages"]
+        rows = {r["kind"]: r for r in sim["sent"] if r["dimension"] == "pp" and r["kind"] in ("send", "recv")}
+        assert [(r["calls"], r["tensor_bytes"]) for r in rows.values()] == [(calls, calls * each)] * 2, (rank, rows)
+        assert rows["send"]["sent_bytes"] == calls * each and rows["recv"]["sent_bytes"] == 0, rows
 
 
 def test_the_router_load(simulate, real, sims):

@@ -629,6 +629,8 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
                           ("--tp", "2"): "--tp",  # under DDP (tp runs with FSDP2)
                           ("--sp",): "--sp",  # without --tp: stage 13's own check
                           ("--pp", "3"): "--pp", ("--pp-schedule", "zb"): "--pp-schedule",
+                          ("--pp-schedule", "zbv"): "--pp-schedule",  # a split backward: the memory tracker fails
+                          ("--stages-per-rank", "2"): "--stages-per-rank",  # without --pp: stage 13's own check
                           ("--cp", "3"): "--cp", ("--parallel", "zero"): "--parallel",
                           ("--micro-batch", "0"): "--micro-batch", ("--accumulate", "0"): "--accumulate",
                           ("--rank", "2"): "--rank",  # not a rank of --world 2

@@ -204,6 +204,8 @@ PRIVATE_ALLOWED = {
         "absent, would send",
     ("at_scale/simulate", "._warmup_p2p"): "the pipeline's first-step vote between stages, run on real tensors (fake "
                                            "ones have no values to vote with)",
+    ("at_scale/simulate", "._batch_p2p"): "the pipeline schedules' batches of sends and receives: their works made "
+                                          "to hold the tensors, as gloo's do (the fake group's hold none)",
     ("at_scale/simulate", "torch.nn.parallel.distributed._verify_param_shape_across_processes"):
         "DDP's constructor's check that all ranks' shapes agree, skipped: a rank alone has none to compare, and the "
         "check reads tensor values fake tensors have not",
