@@ -68,7 +68,8 @@ class Layout:
     parallel: str = "ddp"
     micro_batch: int = 1  # sequences per micro-batch per dp rank
     accumulate: int = 1  # micro-batches per step (under pp: the pipeline's)
-    schedule: str = "1f1b"  # the pipeline's: "1f1b" or "gpipe" (the stages' two)
+    schedule: str = "1f1b"  # the pipeline's: "1f1b", "gpipe" or "interleaved1f1b" (the stages' --pp-schedule)
+    stages_per_rank: int = 1  # interleaved1f1b: v stages a rank, round robin (the stages' --stages-per-rank)
     ac: str = "none"  # activation checkpointing (the stages' --ac): "full", each block keeps its input alone and
     #                   recomputes the rest in backward; "selective", it keeps its matmuls' and attention's outputs too
     sp: bool = False  # sequence parallelism (the stages' --sp, with tp): between the blocks' matmuls the residual
@@ -94,6 +95,7 @@ class Layout:
     def describe(self) -> str:
         dims = " x ".join(f"{d} {getattr(self, d)}" for d in ("dp", "tp", "pp", "cp", "ep") if getattr(self, d) > 1)
         return f"{dims or 'one rank'} {self.parallel}, micro-batch {self.micro_batch} x {self.accumulate}" + \
+            (f", interleaved x {self.stages_per_rank}" if self.stages_per_rank > 1 else "") + \
             (f", --ac {self.ac}" if self.ac != "none" else "") + (", --sp" if self.sp else "") + \
             (f", --replicate {self.replicate}" if self.replicate > 1 else "")
 
@@ -126,6 +128,38 @@ def stage_blocks(layers: int, pp: int, stage: int) -> int:
     more)."""
     size, extra = divmod(layers, pp)
     return size + (stage < extra)
+
+
+def rank_chunks(m: Model, lay: Layout, rank: int) -> list[int]:
+    """The blocks of each pipeline stage rank `rank` of the pipeline holds, in order: one stage, or under
+    interleaved1f1b v of pp x v, round robin (13_pipeline_4d/pipeline.py stages_of: r, r + pp, ...)."""
+    v = lay.stages_per_rank
+    return [stage_blocks(m.layers, lay.pp * v, s) for s in range(rank, lay.pp * v, lay.pp)]
+
+
+def held_forwards(lay: Layout, rank: int) -> int:
+    """The most forwards (a stage's, a micro-batch's) whose backward has not run that rank `rank` of the pipeline holds
+    at once: GPipe every micro-batch; 1F1B pp - rank; interleaved 1F1B its warm-up, then one more. torch's rule
+    (schedules.py _get_warmup_ops): (v - 1) rounds' micro-batches, two more for each rank after this one, at most
+    every forward (13_pipeline_4d/pipeline.py held_at_most reads the same from torch's table)."""
+    acc, pp, v = lay.accumulate, lay.pp, lay.stages_per_rank
+    if pp == 1:
+        return 1
+    if lay.schedule == "gpipe":
+        return acc
+    if v == 1:
+        return min(acc, pp - rank)
+    per_round = acc // max(1, acc // pp)  # torch runs the micro-batches in rounds of this many
+    return min((v - 1) * per_round + 2 * (pp - 1 - rank) + 1, acc * v)
+
+
+def held_blocks(lay: Layout, chunks: list[int], forwards: int) -> int:
+    """Blocks' activations held by the first `forwards` forwards of a step on a rank with stages of `chunks` blocks:
+    interleaved 1F1B runs a round of micro-batches through each of its stages in turn."""
+    if len(chunks) == 1:
+        return forwards * chunks[0]
+    per_round = lay.accumulate // max(1, lay.accumulate // lay.pp)
+    return sum(chunks[k // per_round % len(chunks)] for k in range(forwards))
 
 
 def root_tensors(m: Model, tp: int, first: bool, last: bool, sp: bool = False) -> list[tuple[int, int, str]]:
@@ -200,7 +234,8 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
     first, last = stage == 0, stage == lay.pp - 1
     n = lay.dp_cp  # the ranks that hold copies (DDP) or shards (FSDP2) of the same weights
     s, shards = lay.shard_cp, "shard_cp" if lay.replicate > 1 else "dp_cp"  # FSDP2's shard group (HSDP: S x cp)
-    blocks = stage_blocks(m.layers, lay.pp, stage)
+    chunks = rank_chunks(m, lay, stage)  # (interleaved: the blocks of each of its stages)
+    blocks = sum(chunks)
     per_block = block_tensors(m, lay.tp, lay.ep)
     root = root_tensors(m, lay.tp, first, last, lay.sp)
     whole = [t for t in per_block if t[2] != "expert" or lay.ep == 1]  # what DDP or FSDP2 hold
@@ -300,7 +335,8 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
             add(kind, "cp", blocks * acc * lay.cp, kv * max(act, 4), factor)
     if lay.pp > 1:  # the residual stream forward to the next stage, its gradient back to the previous one
         for kind, factor in (("send", 1), ("recv", 0)):
-            add(kind, "pp", acc * ((not last) + (not first)), stream // (lay.tp if lay.sp else 1) * act, factor)
+            # (interleaved: each of its v stages sends to the next rank and back, but the first and the last)
+            add(kind, "pp", acc * (2 * len(chunks) - first - last), stream // (lay.tp if lay.sp else 1) * act, factor)
     # The gradient's norm (parallelize.py clip_gradients): a float32 number summed over each mesh its DTensor
     # gradients lie on (FSDP2's dp x cp; tp's layers' dp x cp and tp), then over the pipeline's stages.
     # (--sp: the norms and the head lie on both meshes too: the dp x cp mesh alone holds the first stage's embeddings)
@@ -322,11 +358,12 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
     # redone for this code: no dropout, attention by a fused kernel that keeps no score matrix)
     kept = block_kept_units(m, lay.tp, lay.ac, lay.sp, lay.cp)
     saved_block = stream * act * kept + ring_kept_bytes(m, lay)
-    if lay.pp > 1:
-        in_flight = acc if lay.schedule == "gpipe" else min(acc, lay.pp - stage)
-    else:
-        in_flight = 1
-    peak = in_flight * blocks * saved_block
+    in_flight = held_forwards(lay, stage)
+
+    def held(forwards: int) -> int:  # the blocks' activations that many forwards hold
+        return held_blocks(lay, chunks, forwards)
+
+    peak = held(in_flight) * saved_block
     # A checkpointed block's backward first rebuilds what it did not keep: one block's worth, beside the rest.
     rebuilt = stream * act * block_recomputed_units(m, lay.tp, lay.ac, lay.sp)
     if lay.ac == "selective" and lay.cp > 1:  # and the ring's output (float32 at least), which KEEP does not name
@@ -343,7 +380,8 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         # each micro-batch's forward ends, and torch's stage keeps its output, the logits, for its backward: two
         # such tensors a micro-batch in flight, and the two gradients.
         v = head_vocab(m, lay.tp, lay.sp)
-        loss = (2 * in_flight + 2 if lay.pp > 1 else 3) * tokens * v * 4
+        logits = 1 if len(chunks) > 1 else in_flight  # (interleaved: the last stage runs each backward at once)
+        loss = (2 * logits + 2 if lay.pp > 1 else 3) * tokens * v * 4
         if lay.parallel != "fsdp":  # or, later, the head's backward: the logits' gradient, and the head's weight
             # gradient made whole before DDP copies it into its bucket (float32)
             loss = max(loss, tokens * v * 4 + v * m.width * 4)
@@ -354,8 +392,8 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
             # on the whole tensor (seen in the simulation: aten._log_softmax and nll_loss_backward on [tokens, vocab],
             # the local ops on [tokens, vocab / tp]). Whether a GPU's allocator holds those two is not checked here;
             # counted, the planner may overstate the last stage by 8 bytes a token and vocabulary entry.
-            at_loss = in_flight * blocks * saved_block + last_terms - loss + \
-                (2 * in_flight if lay.pp > 1 else 1) * tokens * v * 4 + 2 * tokens * m.vocab * 4
+            at_loss = held(in_flight) * saved_block + last_terms - loss + \
+                (2 * logits if lay.pp > 1 else 1) * tokens * v * 4 + 2 * tokens * m.vocab * 4
     # --ac full: the loss's tensors are gone when the last block's backward rebuilds it; else both are counted
     peak += max(rebuilt, last_terms) if lay.ac == "full" else rebuilt + last_terms
     if lay.parallel == "fsdp" and s > 1:
@@ -373,7 +411,7 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         if first and lay.pp > 1:
             table = (m.vocab // (lay.tp if m.vocab_over_tp else 1) + m.context * m.learned_positions) * m.width * f4
             others = [(in_flight - 1, full - root_elems)] + ([(min(in_flight, acc - 1) - 1, full)] if acc > 1 else [])
-            at_table = max(n * blocks * saved_block + grads * f4 for n, grads in others) + full * g + table + \
+            at_table = max(held(n) * saved_block + grads * f4 for n, grads in others) + full * g + table + \
                 stream * act
         gathered_now = (root_elems + 2 * block_elems) * g
         if lay.pp > 1:  # Under a pipeline the busiest backward is the first, with every micro-batch in flight and
@@ -382,7 +420,7 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
             # micro-batches than the pipeline holds; one fewer where it has just as many)
             firsts = [(in_flight, (block_elems + last * root_elems) * f4)] + \
                 ([(min(in_flight, acc - 1), full * f4)] if acc > 1 else [])
-            at_blocks = max(peak - (in_flight - n) * blocks * saved_block + grads for n, grads in firsts)
+            at_blocks = max(peak - (held(in_flight) - held(n)) * saved_block + grads for n, grads in firsts)
         else:
             at_blocks = peak + grads_whole
         peak = max(at_blocks + gathered_now, at_table,

@@ -14,7 +14,8 @@ memory. Step time:
 - tp, ep: exposed (the next matmul needs the result); cp's ring: hidden behind the attention beside it;
 - dp x cp (DDP's all-reduce, ZeRO's and FSDP's all-gathers and reduce-scatters, HSDP's all-reduce over its
   replicas): hidden behind the compute, but the first gather and the last reduce;
-- the pipeline (1F1B, the stages' schedule): each stage idle for (pp - 1) micro-batches' time: the bubble.
+- the pipeline (the stages' 1F1B, or interleaved 1F1B with v stages a rank): each stage idle for (pp - 1)
+  micro-batches' time, interleaved (pp - 1) / v of them: the bubble.
 A group's bandwidth is NVLink's when its ranks share a node (the grid puts tp innermost, then cp, dp, pp; HSDP's
 shard group inside dp, its replicas outside), else the network's; every collective also pays NCCL's latency per
 step of its ring.
@@ -126,13 +127,15 @@ def predict(m: Model, lay: Layout, gpu: hardware.GPU, links: Links | None = None
         # the next micro-batch's compute, dp's behind the step's compute but its first gather and last reduce.
         t["cp"] = max(0.0, t["cp"] - overlap["cp_ring"] * t["compute"])
         t["pp"] = max(0.0, t["pp"] - overlap["pp"] * t["compute"])
-        units = costs.stage_blocks(m.layers, lay.pp, i) + 1  # this stage's blocks and its root
+        units = sum(costs.rank_chunks(m, lay, i)) + 1  # this stage's blocks and its root
         edge = 2 * t["dp"] / units  # one unit's gather and one's reduce: nothing to hide them behind
         t["dp"] = edge + max(0.0, t["dp"] - edge - overlap["dp"] * t["compute"])
         if sum(t.values()) > sum(worst.values()):
             worst = t
     per_micro = sum(v for k, v in worst.items() if k != "dp") / lay.accumulate
-    bubble = (lay.pp - 1) * per_micro if lay.pp > 1 else 0.0  # 1F1B and GPipe alike: pp - 1 micro-batches idle
+    # 1F1B and GPipe alike: pp - 1 micro-batches idle; interleaved, pp - 1 of a rank's v stages' worth of one
+    # (Narayanan et al. 2021; Llama 3's bubble ratio (pp - 1) / (v x micro-batches): hardware.LLAMA3_405B_TRAINING)
+    bubble = (lay.pp - 1) * per_micro / lay.stages_per_rank if lay.pp > 1 else 0.0
     seconds = {**worst, "bubble": bubble}
     seconds["total"] = sum(seconds.values())
     tokens = lay.dp * lay.micro_batch * lay.accumulate * m.context
@@ -163,8 +166,9 @@ def divisors(n: int) -> list[int]:
 
 def layouts(m: Model, gpus: int, gpus_per_node: int, sequences: int, fixed: dict) -> list[Layout]:
     """Every layout of `gpus` GPUs for `sequences` sequences a step that the stages can run: tp within a node and
-    dividing the heads (and KV heads) and the MLP, pp at most the blocks (1F1B: at least pp micro-batches), cp with
-    2 x cp dividing the context (zigzag), ep dividing the experts and dp x cp, dp dividing the sequences."""
+    dividing the heads (and KV heads) and the MLP, pp at most the blocks (1F1B: at least pp micro-batches; and its
+    interleaved schedules: pipeline_schedules), cp with 2 x cp dividing the context (zigzag), ep dividing the experts
+    and dp x cp, dp dividing the sequences."""
     out = []
     for tp in divisors(gpus):
         if tp > gpus_per_node or m.heads % tp or m.kv_heads % tp or m.ffn % tp or (m.vocab_over_tp and m.vocab % tp):
@@ -196,11 +200,24 @@ def layouts(m: Model, gpus: int, gpus_per_node: int, sequences: int, fixed: dict
                                 if costs.unmodelled_ac(m, ac, cp) is not None or (sp and (
                                         tp == 1 or m.context % (cp * tp) or costs.unmodelled_sp(m, ac, sp))):
                                     continue  # (--sp: the stages' check, tp dividing each cp share)
-                                lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, parallel=parallel, micro_batch=mb,
-                                             accumulate=acc, ac=ac, sp=sp, precision="bf16", replicate=replicate)
-                                if all(getattr(lay, k) == v for k, v in fixed.items()):
-                                    out.append(lay)
+                                for schedule, v in pipeline_schedules(m.layers, pp, acc):
+                                    lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, parallel=parallel, micro_batch=mb,
+                                                 accumulate=acc, schedule=schedule, stages_per_rank=v, ac=ac, sp=sp,
+                                                 precision="bf16", replicate=replicate)
+                                    if all(getattr(lay, k) == value for k, value in fixed.items()):
+                                        out.append(lay)
     return out
+
+
+def pipeline_schedules(layers: int, pp: int, acc: int) -> list[tuple[str, int]]:
+    """The schedules (and stages a rank) a pipeline of pp ranks and acc micro-batches is weighed with: 1F1B, and
+    interleaved 1F1B at v = 2, 4 and the most the blocks allow (a block a stage, or nearly), where the stages' checks
+    let it run (13_pipeline_4d/checks.py: pp x v stages at most the blocks; the micro-batches in equal rounds)."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    rounds = max(1, acc // pp)
+    return [("1f1b", 1)] + [("interleaved1f1b", v) for v in sorted({2, 4, layers // pp})
+                            if v > 1 and pp * v <= layers and acc % rounds == 0]
 
 
 def replicas(parallel: str, dp: int, cp: int, tp: int, gpus_per_node: int, asked: int | None) -> list[int]:
@@ -279,6 +296,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parallel", choices=PARALLEL, help="only layouts that hold the state so")
     p.add_argument("--replicate", type=positive(int),
                    help="only layouts with R replicas of FSDP2's shards (HSDP, the stages' --replicate; 1: none)")
+    p.add_argument("--stages-per-rank", type=positive(int),
+                   help="only layouts with this many pipeline stages a rank (the stages' --stages-per-rank: 1 runs "
+                        "1F1B, more interleaved 1F1B)")
     p.add_argument("--micro-batch", type=positive(int), help="only layouts with this micro-batch")
     p.add_argument("--ac", choices=costs.AC, help="only layouts with this activation checkpointing (the stages' --ac)")
     p.add_argument("--sp", choices=("yes", "no"),
@@ -303,6 +323,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"argument --ep: {args.model_.name} has no experts; give --experts, or leave --ep out")
     if args.pp and args.pp > args.model_.layers:
         p.error(f"argument --pp: {args.pp} stages for {args.model_.layers} blocks; use at most {args.model_.layers}")
+    if args.stages_per_rank and args.stages_per_rank * (args.pp or 2) > args.model_.layers:
+        pp = args.pp or 2  # (a pipeline has 2 ranks or more)
+        p.error(f"argument --stages-per-rank: {args.stages_per_rank} a rank x pp {pp} = {args.stages_per_rank * pp} "
+                f"stages need a block each, and the model has {args.model_.layers}; use at most "
+                f"{args.model_.layers // pp}")
     if args.dp and sequences % args.dp:
         p.error(f"argument --dp: {args.dp} does not divide the {sequences:,} sequences of a step")
     if args.replicate and args.replicate > 1:
@@ -316,8 +341,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("argument --replicate: HSDP with experts is not modelled; leave --replicate out")
     if args.out is not None:
         p.check_out_writable(args.out)
-    args.fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "parallel", "micro_batch", "replicate")
-                  if getattr(args, k) is not None}
+    args.fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "parallel", "micro_batch", "replicate",
+                                                "stages_per_rank") if getattr(args, k) is not None}
     if args.ac is not None:
         if (why := costs.unmodelled_ac(args.model_, args.ac, args.cp or 1)) is not None:
             p.error(f"argument --ac: {why}; choose another --ac or leave it out (costs.unmodelled_ac)")
@@ -334,7 +359,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def row(p: Prediction) -> list[str]:
     lay, GB = p.layout, 1e9
-    return [f"{lay.dp}", f"{lay.tp}", f"{lay.pp}", f"{lay.cp}"] + ([f"{lay.ep}"] if lay.ep > 1 else []) + [
+    pp = f"{lay.pp}" + (f" x {lay.stages_per_rank}" if lay.stages_per_rank > 1 else "")  # (interleaved: v a rank)
+    return [f"{lay.dp}", f"{lay.tp}", pp, f"{lay.cp}"] + ([f"{lay.ep}"] if lay.ep > 1 else []) + [
         lay.parallel if lay.replicate == 1 else f"hsdp {lay.replicate}", f"{lay.micro_batch} x {lay.accumulate}",
         lay.ac, "yes" if lay.sp else "no",
         f"{p.memory['total'] / GB:,.1f}", f"{p.seconds['total']:,.2f}", f"{p.tokens_per_s:,.0f}",

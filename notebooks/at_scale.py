@@ -112,17 +112,18 @@ for name, gpus, tokens in (("llama3-8b", 8, 2**20), ("llama3-70b", 64, 2**22), (
 # %% [markdown]
 # ## Against Llama 3 405B's published runs, and the bubble
 #
-# Meta's Table 4 (the Llama 3 paper): three layouts and the TFLOP/s per GPU each reached. The planner, given each
-# layout, predicts too little: the stages' pipeline schedule (1F1B) leaves each stage idle (pp − 1) micro-batches
-# of every step. The curve below is that idle share at pp 16 against the micro-batches a step, beside the
-# interleaved schedule Llama 3 ran (V = 8 chunks a rank: the idle time divided by 8).
+# Meta's Table 4 (the Llama 3 paper): three layouts and the TFLOP/s per GPU each reached, beside the planner's
+# prediction for each. Under 1F1B each stage is idle (pp − 1) micro-batches of every step; Llama 3 ran interleaved
+# 1F1B (V chunks a rank: the idle time divided by V), and the planner weighs it too, as stages 13 and 14 run it
+# (`--pp-schedule interleaved1f1b --stages-per-rank V`; here V = 7, the most 126 blocks allow on 16 ranks). The
+# curve below is the idle share at pp 16 against the micro-batches a step.
 
 # %%
 print("\n".join(plan.llama3_rows()))
 micro = range(16, 129, 8)
 fig, ax = plt.subplots(figsize=(6, 3))
 ax.plot(micro, [15 / (m + 15) for m in micro], marker="o", label="1F1B (the stages)")
-ax.plot(micro, [15 / 8 / (m + 15 / 8) for m in micro], marker="o", label="interleaved, V = 8 (Llama 3)")
+ax.plot(micro, [15 / 7 / (m + 15 / 7) for m in micro], marker="o", label="interleaved, V = 7 (the planner's)")
 ax.set_xlabel("micro-batches a step, pp = 16")
 ax.set_ylabel("share of the step idle")
 ax.legend()

@@ -211,14 +211,15 @@ def published(plan, run, **fixed):
 
 
 def test_llama3_405b_published_layouts_fit_with_checkpointing(plan):
-    """Each of Table 4's layouts, micro-batch 1: fits in 80 GB with --ac full, with sequence parallelism or without,
-    and not with none either way (16 micro-batches in flight on the first stage: with --sp a block still keeps its
-    matmuls' gathered inputs whole) nor with selective (at tp 8 it keeps as much as none; with --sp a little less).
-    Sequence parallelism divides what full keeps (a block's input) by tp: less memory."""
+    """Each of Table 4's layouts, micro-batch 1, interleaved 1F1B at 7 stages a rank (the most 126 blocks allow on 16
+    ranks): fits in 80 GB with --ac full, with sequence parallelism or without, and not with none either way (127
+    forwards of a stage in flight on the first rank: with --sp a block still keeps its matmuls' gathered inputs
+    whole) nor with selective (at tp 8 it keeps as much as none; with --sp a little less). Sequence parallelism
+    divides what full keeps (a block's input) by tp: less memory."""
     for run in plan.hardware.LLAMA3_405B_RUNS:
         full, full_sp, none, none_sp, selective, selective_sp = (
-            published(plan, run, parallel="fsdp", ac=ac, sp=sp) for ac in ("full", "none", "selective")
-            for sp in (False, True))
+            published(plan, run, parallel="fsdp", ac=ac, sp=sp, stages_per_rank=7)
+            for ac in ("full", "none", "selective") for sp in (False, True))
         assert all(len(p) == 1 for p in (full, full_sp, none, none_sp, selective, selective_sp))
         for fits in (full[0], full_sp[0]):
             assert fits.fits and fits.memory["total"] <= 80e9, (run, fits.memory)
@@ -272,6 +273,20 @@ def test_out_holds_every_layout_and_a_picture(plan, tmp_path, capsys):
     assert (tmp_path / "plan.png").stat().st_size > 10_000
 
 
+def test_readme_says_what_the_128k_row_reads_with_cp_exposed(plan, monkeypatch):
+    """The README's 128K row with cp's communication exposed (Llama 3 all-gathered the keys and values before
+    attention) and attention's share of its FLOPs: the planner's figures, not typed ones."""
+    run = plan.hardware.LLAMA3_405B_RUNS[2]
+    m = dataclasses.replace(plan.costs.PRESETS["llama3-405b"], context=run.sequence)
+    share = plan.attention_flops(m) / (plan.attention_flops(m) + 6 * plan.matmul_parameters(m))
+    monkeypatch.setitem(plan.hardware.OVERLAP, "cp_ring", plan.hardware.OVERLAP["cp_ring"]._replace(value=0.0))
+    exposed = published(plan, run, parallel="fsdp", ac="full", sp=True, replicate=1)[0]
+    tflops = exposed.flops_per_gpu / 1e12
+    text = " ".join((ROOT / "at_scale" / "README.md").read_text().split())
+    assert f"the row reads {tflops:.0f} ({tflops * 1e12 / run.flops_per_gpu - 1:+.0%})" in text, tflops
+    assert f"attention is {share:.0%} of the FLOPs" in text, share
+
+
 def test_readme_ranks_the_published_layout_as_the_planner_does(plan):
     """The README's 'ranked Nth of the M that fit' for Llama 3 405B's 16,384-GPU, 8K layout is the planner's."""
     fit = [p for p in plan.plan(plan.costs.PRESETS["llama3-405b"], 16384, plan.hardware.GPUS["h100"], 8, 2**24)
@@ -279,7 +294,7 @@ def test_readme_ranks_the_published_layout_as_the_planner_does(plan):
     rank = next(i + 1 for i, p in enumerate(fit) if (p.layout.tp, p.layout.pp, p.layout.cp, p.layout.dp) ==
                 (8, 16, 1, 128))
     text = " ".join((ROOT / "at_scale" / "README.md").read_text().split())
-    assert f"ranked {rank}th of the {len(fit)} that fit" in text, (rank, len(fit))
+    assert f"ranked {rank}th of the {len(fit):,} that fit" in text, (rank, len(fit))
 
 
 # 11_gpt/README's HSDP table: rank 0's state and traffic in one step of stage 11's real HSDP (R 2 x S 2) and FSDP2
