@@ -214,10 +214,6 @@ def check_gpt_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Name
                 f"{[d for d in range(1, dp_cp + 1) if dp_cp % d == 0 and args.experts % d == 0]}")
     if args.aux_weight < 0:
         p.error(f"argument --aux-weight: must be 0 (no balancing loss) or positive, got {args.aux_weight}")
-    if args.pp > 1 and args.pp_schedule in SPLIT_BACKWARD and args.ac != "none":  # seen: an AttributeError in W
-        p.error(f"argument --ac: {args.pp_schedule} splits each backward in two and recomputes a checkpointed block "
-                f"in both halves, but the context that tells the experts they are recomputed (so that they tally "
-                f"their tokens once) is entered once only; drop --ac or use --pp-schedule interleaved1f1b")
     if args.heads % args.tp:
         p.error(f"argument --tp: {args.tp} does not divide --heads {args.heads} (each tp rank computes whole heads); "
                 f"use one of {[d for d in range(1, args.heads + 1) if args.heads % d == 0]}")
@@ -274,6 +270,10 @@ def check_virtual_stages(p: ArgumentParser, args: argparse.Namespace) -> None:
     if kind in SPLIT_BACKWARD and args.compile:  # torch: _check_torch_compile_compatibility
         p.error(f"argument --compile: {kind} splits each backward in two (input, then weight gradients), which a "
                 f"compiled block cannot; drop --compile or use --pp-schedule interleaved1f1b")
+    if kind in SPLIT_BACKWARD and args.ac == "selective":  # torch: "Trying to backward an extra time ..." on every rank
+        p.error(f"argument --ac: {kind} runs two backwards over each block (input, then weight gradients), and a "
+                f"selective checkpoint's saved outputs serve one; use --ac full (recomputes for each) or --pp-schedule "
+                f"interleaved1f1b")
 
 
 class SnapshotError(Exception):

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -90,22 +88,32 @@ def checkpointed(block: nn.Module, ac: str) -> None:
     parameters keep their names.) Its experts are told when they are recomputed: they tally their tokens once."""
     forward, moes = block.forward, [m for m in block.modules() if isinstance(m, MoE)]
 
-    def contexts():  # (the first runs around the forward, the second around its recomputation)
+    def contexts():  # (the first runs around the forward, the second around each recomputation)
         keep, replay = create_selective_checkpoint_contexts(keep_matmuls) if ac == "selective" else noop_context_fn()
-        return keep, recomputing(moes, replay)
+        return keep, Recomputing(moes, replay)
     block.forward = lambda x: checkpoint(forward, x, use_reentrant=False, context_fn=contexts)
 
 
-@contextmanager
-def recomputing(moes: list[MoE], replay) -> Iterator[None]:
-    for moe in moes:
-        moe.recomputing = True
-    try:
-        with replay:
-            yield
-    finally:
-        for moe in moes:
-            moe.recomputing = False
+class Recomputing:
+    """The context torch's checkpoint enters around a recomputation of the block: its experts' `recomputing` flag set
+    inside. Entered once per backward that needs the block's activations: once, or twice under the split backward
+    (--pp-schedule interleavedzb, zbv, dualpipev: the input gradient, then the weights', each an autograd call of its
+    own, and checkpoint recomputes for each). So a class, entered anew each time: a @contextmanager enters once."""
+
+    def __init__(self, moes: list[MoE], replay) -> None:
+        self.moes, self.replay = moes, replay
+
+    def __enter__(self) -> None:
+        for moe in self.moes:
+            moe.recomputing = True
+        self.replay.__enter__()
+
+    def __exit__(self, *error) -> None:
+        try:
+            self.replay.__exit__(*error)
+        finally:
+            for moe in self.moes:
+                moe.recomputing = False
 
 
 def parallelize(model: GPT, grid: Grid, cp: ContextParallel, ep: ExpertParallel,

@@ -24,6 +24,8 @@ micro-batches), each block's experts and balancing loss carried through torch's 
 
     interleaved  torchrun 4: pp 2 x tp 2 --sp, interleaved 1F1B (rank 0 holds stages 0 and 2), 4 micro-batches of 2
     zbv_ep       torchrun 4: dp 2 x pp 2, ZB-V (the split backward; rank 0 holds 0 and 3), ep 2 of the dp
+    inter_cp     torchrun 4: pp 2 x cp 2, interleaved 1F1B, 4 micro-batches of 2 (the ring in each stage)
+    zbv_cp_ac    torchrun 4: pp 2 x cp 2, ZB-V, --ac full (each block recomputed in B and again in W)
     aux_stage    interleaved's command without --tp, the second stage's balancing loss left out
     resharded    zbv_ep's command, the blocks resharded after their forward (the weight gradients then lost)
 
@@ -35,7 +37,8 @@ trainers use: the run says so before it starts), and the experts' gradients aver
 beside a run of the same command, unbroken, that passes.
 
 In one process, without a launch: `MoE` (routing, gates, capacity, the balancing loss and its gradient) against a
-mixture written here token by token, and DDP's way of leaving the experts out (a private torch API) still doing so.
+mixture written here token by token, DDP's way of leaving the experts out (a private torch API) still doing so, and
+a checkpointed block's backward split in two as the zero-bubble schedules split it (its experts tally once).
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from conftest import readme_run
 from harness import (
@@ -247,18 +251,20 @@ def test_bad_expert_flags_are_one_line_and_exit_2():
         (["--capacity-factor", "0"], {}, "--capacity-factor: must be a positive float"),
         (["--experts", "0"], {}, "--experts: must be a positive int"),
     ]
-    # stage 13's refusals of several stages a rank, and the split backward that --ac cannot take here
+    # stage 13's refusals of several stages a rank, and the split backward that --ac selective cannot take
     pp = ["--pp", "2", "--parallel", "fsdp", "--layers", "4", "--accumulate", "4"]
     cases += [([*pp, "--stages-per-rank", "2"], {"WORLD_SIZE": "2"}, "--stages-per-rank: 1f1b runs one stage a rank"),
               ([*pp, "--pp-schedule", "zbv", "--stages-per-rank", "3"], {"WORLD_SIZE": "2"},
                "--stages-per-rank: zbv places exactly 2 stages a rank"),
-              ([*pp, "--pp-schedule", "dualpipev", "--stages-per-rank", "2", "--ac", "full"], {"WORLD_SIZE": "2"},
-               "--ac: dualpipev splits each backward in two and recomputes a checkpointed block in both halves")]
+              ([*pp, "--pp-schedule", "dualpipev", "--stages-per-rank", "2", "--ac", "selective"],
+               {"WORLD_SIZE": "2"}, "--ac: dualpipev runs two backwards over each block (input, then weight "
+               "gradients), and a selective checkpoint's saved outputs serve one")]
     refused_in_one_line(cases, STAGE)
     assert refusal(["--ep", "2", "--cp", "2", "--tp", "2", "--parallel", "fsdp"], {"WORLD_SIZE": "8"},
                    STAGE)[0] == "accepted"
-    assert refusal([*pp, "--pp-schedule", "interleaved1f1b", "--stages-per-rank", "2", "--ac", "full"],
-                   {"WORLD_SIZE": "2"}, STAGE)[0] == "accepted"
+    for schedule in ("interleaved1f1b", "dualpipev"):  # (full: the experts told of each recomputation, however many)
+        assert refusal([*pp, "--pp-schedule", schedule, "--stages-per-rank", "2", "--ac", "full"],
+                       {"WORLD_SIZE": "2"}, STAGE)[0] == "accepted", schedule
     assert refusal(["--ep", "4", "--experts", "8"], {"WORLD_SIZE": "4"}, STAGE)[0] == "accepted"
 
 
@@ -273,6 +279,9 @@ PPV = ("--layers", "4", "--max-steps", "3", "--pp", "2", "--stages-per-rank", "2
        "--accumulate", "4")
 INTERLEAVED = (*PPV, "--pp-schedule", "interleaved1f1b", "--batch-size", "2")
 ZBV_EP = (*PPV, "--pp-schedule", "zbv", "--ep", "2", "--batch-size", "1")
+# Beside cp 2 (each window's positions split over 2 ranks, the ring in every stage's attention): interleaved 1F1B, and
+# ZB-V with --ac full (no --ep: each block checkpointed whole, its experts recomputed, in B and again in W)
+ZBV_CP_AC = (*PPV, "--pp-schedule", "zbv", "--batch-size", "2", "--cp", "2", "--ac", "full")
 PARTS = "        parts.append(parallelize(part, grid, cp, ep, args))\n"
 STAGE_BUGS = {
     # The second stage's blocks (rank 1's first) without their balancing loss's gradient.
@@ -289,7 +298,9 @@ def stage_runs(tmp_path_factory) -> dict[str, Run]:
     tmp = tmp_path_factory.mktemp("experts_stages")
     print(f"seed {SEED}: CONTEXT_PARALLEL_SEED={SEED} reruns it")
     chains = {"zbv_ep": [step(4, *ZBV_EP)], "resharded": [step(4, *ZBV_EP)],  # the 4-process ones first
-              "interleaved": [step(4, *INTERLEAVED, "--tp", "2", "--sp")], "aux_stage": [step(2, *INTERLEAVED)],
+              "interleaved": [step(4, *INTERLEAVED, "--tp", "2", "--sp")],
+              "inter_cp": [step(4, *INTERLEAVED, "--cp", "2")], "zbv_cp_ac": [step(4, *ZBV_CP_AC)],
+              "aux_stage": [step(2, *INTERLEAVED)],
               "one_v": [step(1, "--layers", "4", "--max-steps", "3", "--batch-size", "2", "--accumulate", "4")]}
     scripts = {bug: mutate(STAGE, old, new, tmp / f"{bug}_stage") for bug, (old, new, _) in STAGE_BUGS.items()}
     return run_chains(chains, tmp, scripts=scripts, args=("--data", str(small_corpus(tmp))))
@@ -297,18 +308,24 @@ def stage_runs(tmp_path_factory) -> dict[str, Run]:
 
 def test_several_stages_a_rank_with_experts_are_one_process(stage_runs):
     """Interleaved 1F1B beside tp 2 --sp (rank 0 holds stages 0 and 2) and ZB-V beside dp 2 and ep 2 (rank 0 holds 0
-    and 3, the V): every state, loss, gradient norm, the held-out loss, the sample, the tokens each expert took and
-    the balancing loss of every step are one process's of the same micro-batches."""
+    and 3, the V); each beside cp 2, ZB-V with --ac full: every state, loss, gradient norm, the held-out loss, the
+    sample, the tokens each expert took and the balancing loss of every step are one process's of the same
+    micro-batches."""
     one = stage_runs["one_v"]
     for name, placed, layout in [
             ("interleaved", "[0, 2]", "pp 2 × tp 2 `--sp`, interleaved 1F1B, 2 stages a rank, 4 micro-batches of 2"),
             ("zbv_ep", "[0, 3]", "dp 2 × pp 2, ZB-V (2 stages a rank in a V), ep 2 of the dp, 4 micro-batches of 1 "
-                                 "a rank")]:
+                                 "a rank"),
+            ("inter_cp", "[0, 2]", "pp 2 × cp 2, interleaved 1F1B, 2 stages a rank, 4 micro-batches of 2"),
+            ("zbv_cp_ac", "[0, 3]", "pp 2 × cp 2, ZB-V (2 stages a rank in a V) `--ac full`, 4 micro-batches of 2")]:
         run = stage_runs[name]
         assert f"stages 4: this rank's {placed}) x" in run.stdout and run.summary["stages_per_rank"] == 2, run.stdout
         equals_one_process(run, one, [0, 3], layout)
         same_experts(run, one)
     assert ", ep 2 of the dp x cp | fsdp |" in stage_runs["zbv_ep"].stdout
+    for name in ("inter_cp", "zbv_cp_ac"):
+        assert "x cp 2 (ring, zigzag) x tp 1 | fsdp |" in stage_runs[name].stdout, stage_runs[name].stdout
+    assert "| --accumulate 4, --ac full" in stage_runs["zbv_cp_ac"].stdout
 
 
 @pytest.mark.parametrize("bug", STAGE_BUGS)
@@ -434,6 +451,41 @@ def test_a_planted_bug_in_the_mixture_is_caught(bug, tmp_path):
     copy = load_copy(mutate(STAGE, old, new, tmp_path / "stage").parent / "experts.py")
     gaps, _ = mixture_gaps(copy.MoE, top_k, capacity_factor)
     assert max(gaps.values()) > 1e3 * TOL, f"{bug}: within {gaps} of the reference (seed {SEED})"
+
+
+def split_backward(ac: str) -> tuple[int, list[torch.Tensor]]:
+    """A block of the stage (4 experts, 2 a token, float64) checkpointed by parallelize.checkpointed (or not: "none"),
+    its backward split as the zero-bubble schedules split it: the input's gradient (B), then the weights' (W), two
+    autograd calls on one graph, so that torch's checkpoint recomputes the block for each. Without torch's early stop,
+    which else ends a recomputation at the last tensor backward needs, before the experts' tally: each recomputation
+    then runs the whole forward. Returns (the tallies the block's experts made, the gradients)."""
+    stage = load_stage(STAGE)
+    torch.manual_seed(SEED)
+    block = stage.GPT(stage.Config(vocab=10, context=8, layers=1, heads=2, width=16, experts=4, top_k=2)).double() \
+        .blocks["0"]
+    block.moe.aux_weight = 0.5
+    if ac != "none":
+        stage.checkpointed(block, ac)
+    x = torch.randn(2, 8, 16, dtype=torch.float64, requires_grad=True)
+    with set_checkpoint_early_stop(False):
+        loss = block(x).square().sum()
+    weights = list(block.parameters())
+    grads = [*torch.autograd.grad(loss, x, retain_graph=True), *torch.autograd.grad(loss, weights)]
+    return len(block.moe.tallies), grads
+
+
+def test_a_split_backward_recomputes_a_checkpointed_block_twice_and_its_experts_tally_once():
+    """--ac full under interleavedzb, zbv and dualpipev: the recomputation's context is entered once for B and once
+    for W, the experts told each time (a context entered once, as a @contextmanager is, raised an AttributeError in
+    W), so they tally the forward's tokens once; and B's and W's gradients are those of the block not checkpointed,
+    bit for bit. --ac selective cannot take a second backward (torch marks each output it kept as used: "Trying to
+    backward an extra time"): train.py refuses it there, in one line."""
+    tallies, grads = split_backward("none")
+    full_tallies, full_grads = split_backward("full")
+    assert (tallies, full_tallies) == (1, 1), f"tallied {full_tallies} times under --ac full"
+    assert all(torch.equal(a, b) for a, b in zip(full_grads, grads, strict=True))
+    with pytest.raises(RuntimeError, match="Trying to backward an extra time"):
+        split_backward("selective")
 
 
 def test_at_k_1_the_router_learns_from_the_loss():
