@@ -124,11 +124,14 @@ def parse_args(argv: list[str] | None = None, scratch: Path | None = None) -> ar
 def made_up_text(vocab: int, context: int, folder: Path) -> Path:
     """A text of `vocab` distinct characters, long enough that the stage's held-out tenth holds a window of `context`:
     the stage's corpus then has the vocabulary asked for. What it says does not matter: what is measured depends on
-    the shapes alone (a token is looked up, never branched on)."""
+    the shapes alone (a token is looked up, never branched on). Written whole or not at all (written aside, then
+    renamed): the ranks of a real job, started at once, share the folder, and one must never read another's half."""
     path = folder / f"text_{vocab}_{context}.txt"
     if not path.exists():
         chars = [chr(c) for c in range(32, 0x110000) if not 0xD800 <= c <= 0xDFFF][:vocab]
-        path.write_text("".join(chars[i % vocab] for i in range(vocab + 10 * (context + 2))), encoding="utf-8")
+        aside = path.with_name(f"{path.name}.{os.getpid()}")
+        aside.write_text("".join(chars[i % vocab] for i in range(vocab + 10 * (context + 2))), encoding="utf-8")
+        os.replace(aside, path)
     return path
 
 
@@ -477,23 +480,25 @@ STATE_KINDS = {"Parameter", "Buffer", "Gradient", "Optstate", "Sharded Param", "
 
 
 def memory_tracker(model, optimizer):
-    """torch's memory tracker for `model` (FSDPMemTracker for an FSDP2 model: it tells FSDP2's shards, its gathered
-    weights and its communication buffers apart; else MemTracker), keeping also the most bytes held at once beyond
-    the training state (transient_peak), with what was held then (at_peak)."""
+    """torch's memory tracker for `model` (FSDPMemTracker for an FSDP2 model, all its stages' under --stages-per-rank:
+    it tells FSDP2's shards, its gathered weights and its communication buffers apart; else MemTracker), keeping also
+    the most bytes held at once beyond the training state (transient_peak), with what was held then (at_peak)."""
+    from torch import nn
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
     from torch.nn.modules.module import register_module_forward_pre_hook
 
-    fsdp = isinstance(model, FSDPModule)
+    parts = getattr(model, "parts", [model])  # --stages-per-rank: a model per stage (pipeline.py's Stages)
+    fsdp = isinstance(parts[0], FSDPModule)
 
     class Peaks(FSDPMemTracker if fsdp else MemTracker):
         def __enter__(self):
             # The trackers refuse a model called again in one step ("multiple iterative calls"), as every micro-batch
             # of --accumulate and of the pipeline calls it: before each call they forget the model's own statistics
             # (per module, not used here; the bytes held are kept). --stages-per-rank: each stage's model is called.
-            called = {id(model)} | {id(part) for part in getattr(model, "parts", [])}
+            called = {id(model)} | {id(part) for part in parts}
 
             def forget(module, inputs) -> None:  # (a pre-hook that returns something replaces the inputs)
                 if id(module) in called:
@@ -529,7 +534,9 @@ def memory_tracker(model, optimizer):
                     self.transient_peak, self.at_peak = transient, named
             return transient
 
-    tracker = Peaks(model, optimizer) if fsdp else Peaks()
+    tracker = Peaks(parts[0], optimizer) if fsdp else Peaks()
+    if fsdp and len(parts) > 1:  # every stage's FSDP2 units (FSDPMemTracker instruments its root's modules)
+        tracker._root_mod = nn.ModuleList(parts)
     if not fsdp:
         tracker.track_external(model, optimizer)
     tracker.transient_peak, tracker.at_peak = 0, {}

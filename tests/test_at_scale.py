@@ -5,7 +5,7 @@ what the same rank measures in a real gloo job of the same stage and layout, wit
 (simulate.measure on real tensors): the bytes of its parameters, gradients and AdamW's moments exactly, the bytes it
 sends per collective and per dimension of the grid exactly (calls too), the FLOPs of its step exactly, and its
 activation peak (torch's MemTracker, FSDPMemTracker for FSDP2, on real tensors there) within 5%. Layouts: DDP,
-FSDP2, pp 2 (GPipe), pp 2 with 2 stages a rank (interleaved 1F1B, FSDP2), cp 2, tp 2 with sequence parallelism
+FSDP2, pp 2 (GPipe), pp 2 x dp 2 with 2 stages a rank (interleaved 1F1B, FSDP2), cp 2, tp 2 with sequence parallelism
 (--sp), and pp 2 x cp 2 x tp 2 (1F1B, FSDP2) on 8 ranks; stage 14's experts over ep 2 of 4 ranks, whose real job
 runs under the simulation's even load (compared exactly) and again under its router's own (compared where the load
 does not matter: test_the_router_load).
@@ -40,9 +40,12 @@ LAYOUTS = {
     "pp": ("--world", "2", "--parallel", "fsdp", "--pp", "2", "--pp-schedule", "gpipe", "--accumulate", "3"),
     "cp": ("--world", "2", "--cp", "2"),
     "sp": ("--world", "2", "--parallel", "fsdp", "--tp", "2", "--sp"),  # --sp: SP_PLAN, SP_AROUND, loss_parallel
-    # Interleaved 1F1B (Megatron's, Llama 3's): 4 stages of a block each, 2 a rank (rank r: stages r and r + 2).
-    "interleaved": ("--world", "2", "--parallel", "fsdp", "--layers", "4", "--pp", "2", "--pp-schedule",
-                    "interleaved1f1b", "--stages-per-rank", "2", "--accumulate", "4"),
+    # Interleaved 1F1B (Megatron's, Llama 3's): 4 stages of a block each, 2 a rank (pp rank p: stages p and p + 2),
+    # over dp 2, so that FSDP2's gathers and reduce-scatters under torch's interleaved runtime are compared too; 8
+    # micro-batches, so that the gradients a rank has sent back and still holds (the shim p2p_held) are more than 5% of
+    # its peak (4: 2.3%, a simulation without the shim would pass).
+    "interleaved": ("--world", "4", "--parallel", "fsdp", "--layers", "4", "--pp", "2", "--pp-schedule",
+                    "interleaved1f1b", "--stages-per-rank", "2", "--accumulate", "8"),
     "pp_cp_tp": ("--world", "8", "--parallel", "fsdp", "--pp", "2", "--cp", "2", "--tp", "2", "--accumulate", "2"),
     # Stage 14: 4 experts, k = 2, shared out over ep 2 of the 4 dp ranks (two ep groups, each expert on two replicas).
     # 33 positions: 66 routed rows a micro-batch, which 4 experts cannot share evenly (17, 17, 16, 16), so that the two
@@ -146,6 +149,8 @@ def test_the_simulation_measures_what_the_real_job_measures(simulate, real, sims
         assert not differences(sim, measured), f"{layout}, rank {rank}:\n" + "\n".join(differences(sim, measured))
         assert sim["assumed"] and measured["assumed"] == ([simulate.ASSUMED["even_load"]] if "--ep" in LAYOUTS[layout]
                                                           else [])
+        if "fsdp" in LAYOUTS[layout]:  # FSDP2's gathered weights counted apart from its shards: every stage's too
+            assert sim["memory_tracker"] == "FSDPMemTracker", (layout, sim["memory_tracker"])
         if "--sp" in LAYOUTS[layout]:  # the stage ran SP_PLAN: all-gathers and reduce-scatters over tp
             assert sim["sp"] and {"all_gather", "reduce_scatter"} <= {r["kind"] for r in sim["sent"]
                                                                       if r["dimension"] == "tp"}, sim["sent"]
@@ -226,11 +231,11 @@ def test_interleaving_sends_across_every_stage_boundary(sims):
     the m micro-batches' activations on to the next stage's rank, and every stage but the first their gradients back
     (a [micro-batch, context, width] float32 tensor each). At pp 2 each rank holds one end of the pipeline, stage 0
     or stage 2v - 1: m (2v - 1) sends, and as many receives; one stage a rank (1F1B) would send m."""
-    for rank in range(world_of("interleaved")):
+    for rank in checked_ranks("interleaved"):
         sim = sims("interleaved", rank)
-        m, v, pp = sim["accumulate"], sim["stages_per_rank"], sim["sizes"]["pp"]
+        m, v, pp, p = sim["accumulate"], sim["stages_per_rank"], sim["sizes"]["pp"], sim["coords"]["pp"]
         calls, each = m * (2 * v - 1), sim["micro_batch"] * sim["model"]["context"] * sim["model"]["width"] * 4
-        assert (sim["pp_schedule"], v, sim["stages"]) == ("interleaved1f1b", 2, [rank, rank + pp]), sim["stages"]
+        assert (sim["pp_schedule"], v, sim["stages"]) == ("interleaved1f1b", 2, [p, p + pp]), sim["stages"]
         rows = {r["kind"]: r for r in sim["sent"] if r["dimension"] == "pp" and r["kind"] in ("send", "recv")}
         assert [(r["calls"], r["tensor_bytes"]) for r in rows.values()] == [(calls, calls * each)] * 2, (rank, rows)
         assert rows["send"]["sent_bytes"] == calls * each and rows["recv"]["sent_bytes"] == 0, rows
