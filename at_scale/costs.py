@@ -8,6 +8,7 @@ thousands of layouts in a second.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -113,10 +114,12 @@ def block_tensors(m: Model, tp: int, ep: int) -> list[tuple[int, int, str]]:
     if m.biases:
         t += [(q, 1, "tp"), (kv, 1, "tp"), (kv, 1, "tp"), (w, 1, "replicated")]
     t += [(w, 1, "replicated")] * (4 if m.biases else 2)  # two norms: weight (and bias)
-    if m.experts:  # stage 14: a router [E, width]; E / ep experts of stage 11's MLP, stacked
+    if m.experts:  # stage 14: a router [E, width]; E / ep experts of stage 11's MLP, stacked: [e, ffn, width],
+        # [e, ffn], [e, width, ffn], [e, width]. Rows are dim 0, the experts: FSDP2 (ep 1) shards whole experts, so
+        # at dp x cp above E a rank holds one whole expert of each, padded (experts.py MoE)
         e = m.experts // ep
-        return t + [(m.experts, w, "replicated"), (e * m.ffn, w, "expert"), (e * m.ffn, 1, "expert"),
-                    (e * w, m.ffn, "expert"), (e * w, 1, "expert")]
+        return t + [(m.experts, w, "replicated"), (e, m.ffn * w, "expert"), (e, m.ffn, "expert"),
+                    (e, w * m.ffn, "expert"), (e, w, "expert")]
     f = m.ffn // tp
     if m.mlp == "swiglu":
         return t + [(f, w, "tp"), (f, w, "tp"), (w, f, "tp")]
@@ -158,8 +161,47 @@ def held_blocks(lay: Layout, chunks: list[int], forwards: int) -> int:
     interleaved 1F1B runs a round of micro-batches through each of its stages in turn."""
     if len(chunks) == 1:
         return forwards * chunks[0]
-    per_round = lay.accumulate // max(1, lay.accumulate // lay.pp)
-    return sum(chunks[k // per_round % len(chunks)] for k in range(forwards))
+    per_round, v = lay.accumulate // max(1, lay.accumulate // lay.pp), len(chunks)
+    rounds, rest = divmod(max(forwards, 0), per_round)  # whole rounds, stage after stage, then part of one
+    return per_round * (rounds // v * sum(chunks) + sum(chunks[:rounds % v])) + rest * chunks[rounds % v]
+
+
+def interleaved_peak(lay: Layout, chunks: list[int], rank: int, block_bytes: float, send_bytes: float) -> float:
+    """Interleaved 1F1B: the most bytes rank `rank` holds at once of its stages' activations (block_bytes a block, from
+    a forward to its backward) and of what it sent (send_bytes each: torch's multi-stage runtime keeps every send's
+    work, and the work its tensor, to the step's end: schedules.py _PipelineScheduleRuntime, send_ops waited last)."""
+    return max(blocks * block_bytes + sends * send_bytes
+               for blocks, sends in interleaved_held(lay.accumulate, lay.pp, tuple(chunks), rank))
+
+
+@functools.cache
+def interleaved_held(acc: int, pp: int, chunks: tuple[int, ...], rank: int) -> list[tuple[int, int]]:
+    """(blocks' activations, sends) a rank holds after each of its actions, walked in torch's order (schedules.py
+    ScheduleInterleaved1F1B: the warm-up's forwards, then a forward and a backward each, then the backwards; a round of
+    micro-batches through each stage in turn, the backwards from the last stage down). Only the moments no later one
+    holds as many blocks: the sends only grow, so the most bytes come at one of them."""
+    v, per_round = len(chunks), acc // max(1, acc // pp)
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), acc * v)
+    first, last = rank == 0, rank == pp - 1
+    blocks = sends = 0
+    moments = []
+    for op in range(acc * v + warmup):
+        if op < acc * v:  # a forward: its stage's activations held, its output sent (but the model's last stage's)
+            c = op // per_round % v
+            blocks += chunks[c]
+            sends += not (last and c == v - 1)
+            moments.append((blocks, sends))
+        if op >= warmup:  # a backward: its activations freed, its input gradient sent (but the first stage's)
+            c = v - 1 - (op - warmup) // per_round % v
+            blocks -= chunks[c]
+            sends += not (first and c == 0)
+            moments.append((blocks, sends))
+    kept, most = [], -1
+    for blocks, sends in reversed(moments):
+        if blocks > most:
+            kept.append((blocks, sends))
+            most = blocks
+    return kept
 
 
 def root_tensors(m: Model, tp: int, first: bool, last: bool, sp: bool = False) -> list[tuple[int, int, str]]:
@@ -364,6 +406,9 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         return held_blocks(lay, chunks, forwards)
 
     peak = held(in_flight) * saved_block
+    if len(chunks) > 1:  # and under interleaving what a rank sent on, held to the step's end (the one-stage schedules
+        # wait on each send at once)
+        peak = interleaved_peak(lay, chunks, stage, saved_block, stream // (lay.tp if lay.sp else 1) * act)
     # A checkpointed block's backward first rebuilds what it did not keep: one block's worth, beside the rest.
     rebuilt = stream * act * block_recomputed_units(m, lay.tp, lay.ac, lay.sp)
     if lay.ac == "selective" and lay.cp > 1:  # and the ring's output (float32 at least), which KEEP does not name
@@ -402,7 +447,8 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         # work and the next (prefetched), and every unit's whole gradient while they accumulate (over micro-batches
         # or the pipeline's), else the one block's being reduce-scattered. Or, with little activation, at the
         # root's all-gather: its buffer and the gathered copy, two roots' worth.
-        grads_whole = full * f4 if acc > 1 or lay.pp > 1 else block_elems * f4
+        # (a unit's reduce-scatter takes s shards, padded as gathered_now: beside whole gradients, the padding)
+        grads_whole = (full + s * block_shard - block_elems) * f4 if acc > 1 or lay.pp > 1 else s * block_shard * f4
         # Or, on a pipeline's first stage, at the end of a micro-batch's backward: the embeddings' backward makes a
         # dense gradient of each whole table before adding it in. The stage's weights are all gathered by then (kept
         # so from the first backward on), and its whole gradients too, the embeddings' from the second backward on;
@@ -411,9 +457,14 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         if first and lay.pp > 1:
             table = (m.vocab // (lay.tp if m.vocab_over_tp else 1) + m.context * m.learned_positions) * m.width * f4
             others = [(in_flight - 1, full - root_elems)] + ([(min(in_flight, acc - 1) - 1, full)] if acc > 1 else [])
+            if len(chunks) > 1:  # (interleaved: the first stage's backwards come while the warm-up's forwards of the
+                # others are still held, its tables' gradients whole from its first backward on)
+                others = [(in_flight - 1, full)]
             at_table = max(held(n) * saved_block + grads * f4 for n, grads in others) + full * g + table + \
                 stream * act
-        gathered_now = (root_elems + 2 * block_elems) * g
+        # (a unit's all-gather fills s shards, padded: where s does not divide a tensor's rows, more than the
+        # tensor; stage 14's experts under FSDP2 are rows of a [E, ...] tensor: s above E gathers s / E times them)
+        gathered_now = (root_elems + 2 * s * block_shard) * g
         if lay.pp > 1:  # Under a pipeline the busiest backward is the first, with every micro-batch in flight and
             # the gradients still to make (the block's at work; the last stage's root's, made first), or the second,
             # the gradients whole by then, with the micro-batches still in flight (as many, once the step has more
@@ -423,10 +474,15 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
             at_blocks = max(peak - (held(in_flight) - held(n)) * saved_block + grads for n, grads in firsts)
         else:
             at_blocks = peak + grads_whole
-        peak = max(at_blocks + gathered_now, at_table,
+        # Interleaved, a rank's stages take turns: a stage's forwards run while its others, after their first
+        # backward, keep their weights gathered and their gradients whole. Counted at the worst: every forward the
+        # warm-up holds in flight beside all of its stages' weights gathered and gradients whole.
+        interleaved = peak + full * (f4 + g) if len(chunks) > 1 else 0
+        peak = max(at_blocks + gathered_now, at_table, interleaved,
                    2 * root_elems * g + (full * f4 if acc > 1 and lay.pp == 1 else 0))
         if lay.sp and last:  # (at the loss: the root gathered, no block; the gradients accumulating, if they do)
-            at_loss += root_elems * g + (full * f4 if acc > 1 or lay.pp > 1 else 0)
+            # (interleaved: the rank's other stages, after their first backward, kept gathered: all of it)
+            at_loss += (full if len(chunks) > 1 else root_elems) * g + (full * f4 if acc > 1 or lay.pp > 1 else 0)
     if lay.sp and last:
         peak = max(peak, at_loss)
     # ── FLOPs ── (FlopCounterMode's: a matmul 2mnk forward, twice that backward; attention the whole score matrix)

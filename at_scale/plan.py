@@ -93,8 +93,10 @@ def comm_seconds(kind: str, calls: int, sent: float, n: int, link: str, gpu: har
 
 
 def group_size(lay: Layout, dim: str) -> int:
-    return {"tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "dp_cp": lay.dp_cp, "ep_replicas": lay.dp_cp // lay.ep,
-            "shard_cp": lay.shard_cp, "replicate": lay.replicate, "pp": lay.pp}[dim]
+    if dim in ("tp", "cp", "ep", "replicate", "pp"):  # (the grid's own degrees; the others are made of them)
+        return getattr(lay, dim)
+    return {"dp_cp": lay.dp * lay.cp, "ep_replicas": lay.dp * lay.cp // lay.ep,
+            "shard_cp": lay.dp * lay.cp // lay.replicate}[dim]
 
 
 def predict(m: Model, lay: Layout, gpu: hardware.GPU, links: Links | None = None,
@@ -191,8 +193,8 @@ def layouts(m: Model, gpus: int, gpus_per_node: int, sequences: int, fixed: dict
                         acc = sequences // dp // mb
                         if pp > 1 and acc < pp:
                             continue
-                        for parallel, replicate in ((p, r) for p in PARALLEL for r in (replicas(
-                                p, dp, cp, tp, gpus_per_node, fixed.get("replicate")) if not m.experts else [1])):
+                        for parallel, replicate in ((p, r) for p in PARALLEL for r in replicas(
+                                p, dp, cp, tp, gpus_per_node, fixed.get("replicate"))):
                             if parallel == "ddp" and (pp > 1 or tp > 1) or \
                                     parallel in ("zero1", "zero2") and dp != gpus:
                                 continue  # the stages split layers (tp, pp) under FSDP2; zero_by_hand is dp alone
@@ -337,8 +339,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.gpus % args.replicate or args.dp and args.dp % args.replicate:
             p.error(f"argument --replicate: {args.replicate} does not divide "
                     + (f"--dp {args.dp}" if args.dp and args.dp % args.replicate else f"--gpus {args.gpus}"))
-        if args.model_.experts:
-            p.error("argument --replicate: HSDP with experts is not modelled; leave --replicate out")
     if args.out is not None:
         p.check_out_writable(args.out)
     args.fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "parallel", "micro_batch", "replicate",
