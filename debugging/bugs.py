@@ -148,7 +148,7 @@ def train(rank: int, args: argparse.Namespace, watchdog: Watchdog) -> None:
         args.losses.write_text(json.dumps(losses) + "\n")
     if broken := [name for name, p in model.module.named_parameters() if not p.isfinite().all()]:
         print(f"[rank {rank}] {len(broken)} of {len(list(model.parameters()))} parameters hold NaN or inf: "
-              f"{', '.join(broken)}", flush=True)
+              f"{', '.join(broken)}\n", end="", flush=True)  # one write: the ranks share a pipe; print's end is another
 
 
 def exchange(mine: torch.Tensor, rank: int) -> torch.Tensor:
