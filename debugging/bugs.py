@@ -265,8 +265,8 @@ def dump_flight_recorder(rank: int, trace: Path | None) -> None:
     dump["pg_config"] = {name: {**config, "name": name, "desc": desc}
                          for name, desc in {tuple(e["process_group"]) for e in dump["entries"]}}
     (trace / f"rank_{rank}").write_bytes(pickle.dumps(dump))
-    print(f"[rank {rank}] flight recorder: {len(dump['entries'])} collectives written to {trace}/rank_{rank}",
-          flush=True)
+    print(f"[rank {rank}] flight recorder: {len(dump['entries'])} collectives written to {trace}/rank_{rank}\n",
+          end="", flush=True)  # (one write, as the watchdog's)
 
 
 def worker(rank: int, args: argparse.Namespace, store_file: str | None) -> None:
