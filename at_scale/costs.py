@@ -4,7 +4,7 @@ The formulas follow the GPT stages' code (11-14: which weights tp splits, what F
 pipeline and the ring send), so that they can be checked against simulate.py, which runs that code. The model is a
 parameter: the tutorial's GPT (multi-head attention, a GELU MLP, learned positions, LayerNorm with biases) or Llama 3's
 (grouped-query attention, a SwiGLU MLP, rotary positions, RMSNorm, no biases). Stdlib only: the planner weighs
-thousands of layouts in a second.
+thousands of layouts in seconds.
 """
 from __future__ import annotations
 
@@ -475,8 +475,8 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         else:
             at_blocks = peak + grads_whole
         # Interleaved, a rank's stages take turns: a stage's forwards run while its others, after their first
-        # backward, keep their weights gathered and their gradients whole. Counted at the worst: every forward the
-        # warm-up holds in flight beside all of its stages' weights gathered and gradients whole.
+        # backward, keep their weights gathered and their gradients whole. Counted at the worst: the most the rank
+        # holds of activations and sends (interleaved_peak) beside all of its stages' weights and gradients whole.
         interleaved = peak + full * (f4 + g) if len(chunks) > 1 else 0
         peak = max(at_blocks + gathered_now, at_table, interleaved,
                    2 * root_elems * g + (full * f4 if acc > 1 and lay.pp == 1 else 0))

@@ -325,6 +325,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"argument --ep: {args.model_.name} has no experts; give --experts, or leave --ep out")
     if args.pp and args.pp > args.model_.layers:
         p.error(f"argument --pp: {args.pp} stages for {args.model_.layers} blocks; use at most {args.model_.layers}")
+    if args.stages_per_rank and args.stages_per_rank > 1 and args.pp == 1:
+        p.error(f"argument --stages-per-rank: {args.stages_per_rank} stages a rank cut a pipeline, and --pp 1 has "
+                f"none; use --pp 2 or more, or leave --pp out")
     if args.stages_per_rank and args.stages_per_rank * (args.pp or 2) > args.model_.layers:
         pp = args.pp or 2  # (a pipeline has 2 ranks or more)
         p.error(f"argument --stages-per-rank: {args.stages_per_rank} a rank x pp {pp} = {args.stages_per_rank * pp} "

@@ -97,7 +97,19 @@ def flags(shape: tuple, lay, rank: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def plan():
-    return load_copy(PLAN)
+    """plan.py, its plan() remembered: tests asking for the same plan (the README's 405B one weighs 13,695 layouts,
+    seconds) share one enumeration. The key holds hardware.OVERLAP's figures, which a test may change."""
+    module = load_copy(PLAN)
+    weigh, seen = module.plan, {}
+
+    def remembered(m, gpus, gpu, gpus_per_node, batch_tokens, fixed=None):
+        key = (repr(m), gpus, repr(gpu), gpus_per_node, batch_tokens, tuple(sorted((fixed or {}).items())),
+               tuple(f.value for f in module.hardware.OVERLAP.values()))
+        if key not in seen:
+            seen[key] = weigh(m, gpus, gpu, gpus_per_node, batch_tokens, fixed)
+        return list(seen[key])
+    module.plan = remembered
+    return module
 
 
 @pytest.fixture(scope="module")

@@ -649,6 +649,7 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
                       (*PLAN, "--dp", "3"): "--dp", (*PLAN, "--tp", "16", "--gpus", "16"): "--tp",  # 8 KV heads
                       (*PLAN, "--pp", "64", "--gpus", "64"): "--pp",  # 32 blocks
                       (*PLAN, "--pp", "4", "--stages-per-rank", "9"): "--stages-per-rank",  # 36 stages, 32 blocks
+                      (*PLAN, "--pp", "1", "--stages-per-rank", "2"): "--stages-per-rank",  # no pipeline to cut
                       (*PLAN, "--cp", "3"): "--cp", (*PLAN, "--ep", "2"): "--ep",  # no experts
                       ("--parallel", "zero4"): "--parallel", ("--micro-batch", "0"): "--micro-batch",
                       ("--ac", "some"): "--ac", ("--show", "0"): "--show",
