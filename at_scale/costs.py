@@ -140,11 +140,22 @@ def rank_chunks(m: Model, lay: Layout, rank: int) -> list[int]:
     return [stage_blocks(m.layers, lay.pp * v, s) for s in range(rank, lay.pp * v, lay.pp)]
 
 
+def round_size(acc: int, pp: int) -> int:
+    """The micro-batches of one round: interleaved 1F1B runs each round through one of a rank's stages, then the next
+    (torch's microbatches_per_round: acc // max(1, acc // pp))."""
+    return acc // max(1, acc // pp)
+
+
+def interleaved_warmup(acc: int, pp: int, v: int, rank: int) -> int:
+    """The forwards rank `rank` runs before its first backward under interleaved 1F1B (schedules.py _get_warmup_ops):
+    (v - 1) rounds, two more for each rank after this one, at most every forward."""
+    return min((v - 1) * round_size(acc, pp) + 2 * (pp - 1 - rank), acc * v)
+
+
 def held_forwards(lay: Layout, rank: int) -> int:
     """The most forwards (a stage's, a micro-batch's) whose backward has not run that rank `rank` of the pipeline holds
-    at once: GPipe every micro-batch; 1F1B pp - rank; interleaved 1F1B its warm-up, then one more. torch's rule
-    (schedules.py _get_warmup_ops): (v - 1) rounds' micro-batches, two more for each rank after this one, at most
-    every forward (13_pipeline_4d/pipeline.py held_at_most reads the same from torch's table)."""
+    at once: GPipe every micro-batch; 1F1B pp - rank; interleaved 1F1B its warm-up, then one more, at most every
+    forward (13_pipeline_4d/pipeline.py held_at_most reads the same from torch's table)."""
     acc, pp, v = lay.accumulate, lay.pp, lay.stages_per_rank
     if pp == 1:
         return 1
@@ -152,8 +163,7 @@ def held_forwards(lay: Layout, rank: int) -> int:
         return acc
     if v == 1:
         return min(acc, pp - rank)
-    per_round = acc // max(1, acc // pp)  # torch runs the micro-batches in rounds of this many
-    return min((v - 1) * per_round + 2 * (pp - 1 - rank) + 1, acc * v)
+    return min(interleaved_warmup(acc, pp, v, rank) + 1, acc * v)
 
 
 def held_blocks(lay: Layout, chunks: list[int], forwards: int) -> int:
@@ -161,7 +171,7 @@ def held_blocks(lay: Layout, chunks: list[int], forwards: int) -> int:
     interleaved 1F1B runs a round of micro-batches through each of its stages in turn."""
     if len(chunks) == 1:
         return forwards * chunks[0]
-    per_round, v = lay.accumulate // max(1, lay.accumulate // lay.pp), len(chunks)
+    per_round, v = round_size(lay.accumulate, lay.pp), len(chunks)
     rounds, rest = divmod(max(forwards, 0), per_round)  # whole rounds, stage after stage, then part of one
     return per_round * (rounds // v * sum(chunks) + sum(chunks[:rounds % v])) + rest * chunks[rounds % v]
 
@@ -180,8 +190,8 @@ def interleaved_held(acc: int, pp: int, chunks: tuple[int, ...], rank: int) -> l
     ScheduleInterleaved1F1B: the warm-up's forwards, then a forward and a backward each, then the backwards; a round of
     micro-batches through each stage in turn, the backwards from the last stage down). Only the moments no later one
     holds as many blocks: the sends only grow, so the most bytes come at one of them."""
-    v, per_round = len(chunks), acc // max(1, acc // pp)
-    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), acc * v)
+    v, per_round = len(chunks), round_size(acc, pp)
+    warmup = interleaved_warmup(acc, pp, v, rank)
     first, last = rank == 0, rank == pp - 1
     blocks = sends = 0
     moments = []
@@ -405,10 +415,11 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
     def held(forwards: int) -> int:  # the blocks' activations that many forwards hold
         return held_blocks(lay, chunks, forwards)
 
-    peak = held(in_flight) * saved_block
     if len(chunks) > 1:  # and under interleaving what a rank sent on, held to the step's end (the one-stage schedules
         # wait on each send at once)
         peak = interleaved_peak(lay, chunks, stage, saved_block, stream // (lay.tp if lay.sp else 1) * act)
+    else:
+        peak = held(in_flight) * saved_block
     # A checkpointed block's backward first rebuilds what it did not keep: one block's worth, beside the rest.
     rebuilt = stream * act * block_recomputed_units(m, lay.tp, lay.ac, lay.sp)
     if lay.ac == "selective" and lay.cp > 1:  # and the ring's output (float32 at least), which KEEP does not name
