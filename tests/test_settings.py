@@ -39,7 +39,20 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, TORCHRUN, Run, Step, check, launch_commands, replay_error, time_limit, tolerance
+from harness import (
+    ROOT,
+    TORCHRUN,
+    Run,
+    Step,
+    check,
+    launch,
+    launch_commands,
+    replay_error,
+    small_corpus,
+    time_limit,
+    tolerance,
+)
+from test_gpt import gaps, refusal
 
 N_TRAIN = 4096
 EPOCHS = 2  # the replay checks every epoch; two are enough to see a wrong order, batch or divisor
@@ -233,6 +246,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "setting" in metafunc.fixturenames:
         rows = full() if metafunc.config.getoption("--sweep") == "full" else [*covering(), *layouts()]
         metafunc.parametrize("setting", rows, ids=[r.id for r in rows])
+    if "gpt_row" in metafunc.fixturenames:
+        chosen = gpt_rows(metafunc.config)
+        metafunc.parametrize("gpt_row", chosen, ids=[r.id for r in chosen])
 
 
 # --- running them, POOL at a time ------------------------------------------------------------------------------------
@@ -353,3 +369,217 @@ def test_a_replay_that_ignores_the_padding_fails(outcomes: dict[str, Outcome]) -
     honest, ignored = replay_error(outcome.run.summary, outcome.run.trajectory), \
         replay_error(summary, outcome.run.trajectory)
     assert honest <= tolerance("float64") < 1e3 * tolerance("float64") < ignored, (key, honest, ignored)
+
+
+# --- the GPT stages (11-14): every layout a learner types, against one process of the same stage -------------------
+# Their contract (tests/test_gpt.py, test_sequence_parallel.py): at any layout a run computes the one-process training
+# of its stage (the same seed, global batch and schedule) within sqrt(eps) of float64, step by step (the states,
+# every step's loss and gradient norm), and scores and samples as one process does; or it refuses in one line, exit 2,
+# naming the flag. Tiny runs as those tests launch them, on harness.small_corpus (2,400 held out: at context 24 the
+# last held-out window is short, the padded tail every layout must score as one process does).
+GPT_TINY = ("--heads", "2", "--width", "32", "--context", "24", "--dtype", "float64", "--device", "cpu",
+            "--eval-every", "3", "--save-every", "3", "--sample", "20", "--warmup-steps", "2", "--clip", "1.0",
+            "--max-steps", "3")
+TOL_GPT = tolerance("float64")  # the GPT tests': correct layouts differ by ~1e-14
+GPT_SEED_LR = ((7, 0.02), (3, 0.05))  # the GPT tests': seed 0, lr 0.01
+# The stages whose one-process training is stage 11's (the same GPT, drawn alike): their rows share its references.
+SAME_GPT = ("11_gpt", "12_context_parallel", "13_pipeline_4d")
+
+
+@dataclass(frozen=True)
+class GptRow:
+    stage: str
+    world: int
+    flags: tuple[str, ...] = ()  # the layout and options (--parallel, --tp, --sp, --ac, ...), as a learner types them
+    batch: int = 12  # --batch-size: windows per micro-batch per dp rank
+    accumulate: int = 1
+    seed: int = 7
+    lr: float = 0.02
+    layers: int = 2
+    expect: str = "same"  # "same" (one process's training), "own" (says before training how it differs) or "refuse"
+    says: str | None = None  # "own": what its first lines say; "refuse": its error, from "argument --flag:" on
+
+    def option(self, flag: str, default: str = "1") -> str:
+        return self.flags[self.flags.index(flag) + 1] if flag in self.flags else default
+
+    def value(self, flag: str) -> int:
+        return int(self.option(flag))
+
+    @property
+    def dp(self) -> int:  # the grid is pp x dp x cp x tp
+        return self.world // (self.value("--pp") * self.value("--cp") * self.value("--tp"))
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.accumulate * self.batch
+
+    @property
+    def reference(self) -> GptRow:
+        """The one-process run it must equal, made of what determines the training: rows that agree share it. The
+        micro-batches count for stage 14 only: its balancing loss is of each micro-batch's load, not linear in it
+        (one process of batch 12 trains otherwise than 3 micro-batches of 4: 0.06 apart after 3 steps)."""
+        accumulate = 1 if self.stage in SAME_GPT else self.accumulate
+        return GptRow("11_gpt" if self.stage in SAME_GPT else self.stage, 1, (), self.global_batch // accumulate,
+                      accumulate, self.seed, self.lr, self.layers)
+
+    def args(self) -> tuple[str, ...]:
+        return (*GPT_TINY, "--layers", str(self.layers), "--seed", str(self.seed), "--lr", f"{self.lr:g}",
+                "--batch-size", str(self.batch), *(("--accumulate", str(self.accumulate)) * (self.accumulate > 1)),
+                *self.flags)
+
+    @property
+    def id(self) -> str:
+        flags = " ".join(self.flags)
+        return (f"{self.stage}-W{self.world}-b{self.batch}x{self.accumulate}-s{self.seed}-lr{self.lr:g}"
+                f"{f'-layers{self.layers}' if self.layers != 2 else ''}{(' ' + flags) if flags else ''}")
+
+
+FSDP = ("--parallel", "fsdp")
+# Settings nothing honest can run, each refused in one line before any group is joined (checked in this process,
+# through main() as test_gpt.refusal does: no launch). The GPT tests refuse others (--tp 4 with 2 heads, --sp
+# without --tp, a context --sp's tp does not divide, ...).
+GPT_REFUSED = (
+    GptRow("11_gpt", 3, (*FSDP, "--tp", "2"), expect="refuse",
+           says="argument --tp: 2 does not divide the world size 3"),
+    GptRow("11_gpt", 3, (*FSDP, "--tp", "3"), expect="refuse", says="argument --tp: 3 does not divide --heads 2"),
+    GptRow("11_gpt", 4, (*FSDP, "--replicate", "3"), expect="refuse",
+           says="argument --replicate: 3 does not divide dp 4"),
+    GptRow("11_gpt", 4, ("--replicate", "2"), expect="refuse",
+           says="argument --replicate: HSDP keeps replicas of FSDP2's shards"),
+    GptRow("11_gpt", 4, ("--ac", "some"), expect="refuse", says="argument --ac: invalid choice: 'some'"),
+    GptRow("12_context_parallel", 3, (*FSDP, "--cp", "2"), expect="refuse",
+           says="argument --cp: 2 x --tp 1 does not divide the world size 3"),
+    GptRow("13_pipeline_4d", 4, (*FSDP, "--pp", "2"), expect="refuse",  # 1F1B with one micro-batch
+           says="argument --accumulate: 1F1B needs at least one micro-batch per stage, 2, not 1"),
+    GptRow("13_pipeline_4d", 3, (*FSDP, "--pp", "3"), accumulate=3, expect="refuse",
+           says="argument --pp: 3 stages need at least 3 blocks"),
+    GptRow("14_experts", 3, (*FSDP, "--ep", "2"), expect="refuse",
+           says="argument --ep: 2 does not divide the 3 dp x cp processes"),
+    GptRow("14_experts", 4, (*FSDP, "--tp", "2", "--sp", "--ep", "3"), expect="refuse",
+           says="argument --ep: 3 does not divide --experts 4"),
+)
+
+
+def gpt_covering() -> list[GptRow]:
+    """CI's GPT rows: six layouts the GPT tests never launch, all at global batch 12 (seed 7, lr 0.02), so that they
+    share two one-process references (stage 11's GPT, stage 14's experts): 8 launches in all. Each meets W = 3 or 4,
+    an --ac mode or an odd accumulation (3) the tests do not pick, beside the flag its stage adds."""
+    return [
+        GptRow("11_gpt", 3, ("--ac", "full"), batch=4),  # DDP over 3 ranks, every block recomputed
+        GptRow("11_gpt", 4, (*FSDP, "--tp", "2", "--sp", "--ac", "selective"), batch=2, accumulate=3),
+        GptRow("11_gpt", 4, (*FSDP, "--replicate", "2"), batch=1, accumulate=3),  # HSDP 2 x 2, accumulating
+        GptRow("12_context_parallel", 4, (*FSDP, "--cp", "2", "--tp", "2", "--sp", "--ac", "full"), batch=4,
+               accumulate=3),
+        GptRow("13_pipeline_4d", 4, (*FSDP, "--pp", "2", "--ac", "selective"), batch=2, accumulate=3),  # dp 2 x pp 2
+        GptRow("14_experts", 4, (*FSDP, "--tp", "2", "--sp", "--ep", "2", "--ac", "full"), batch=2, accumulate=3),
+        *GPT_REFUSED]
+
+
+def gpt_layouts(stage: str, world: int) -> list[tuple[tuple[str, ...], int]]:
+    """(flags, --layers) of every layout of `stage` at `world` processes the full grid runs (each also at every --ac
+    and accumulation): dp alone (DDP, FSDP2, HSDP), tp with and without --sp, and the flag each later stage adds."""
+    found: list[tuple[tuple[str, ...], int]] = [((), 2), (FSDP, 2)]
+    found += [((*FSDP, "--replicate", str(r)), 2) for r in (2, 3, 4) if world % r == 0]  # HSDP, shard 1 too
+    if world % 2 == 0:
+        found += [((*FSDP, "--tp", "2"), 2), ((*FSDP, "--tp", "2", "--sp"), 2)]
+        if world == 4:
+            found.append(((*FSDP, "--tp", "2", "--sp", "--replicate", "2"), 2))  # dp 2 = replicate 2 x shard 1
+    if stage == "12_context_parallel":
+        found += [((*FSDP, "--cp", str(world)), 2), ((*FSDP, "--cp", str(world), "--cp-impl", "allgather"), 2),
+                  ((*FSDP, "--cp", str(world), "--no-zigzag"), 2)] if world > 1 else []  # context 24: 2 x cp divides
+        found += [((*FSDP, "--cp", "2", "--tp", "2", "--sp"), 2)] if world == 4 else []
+    if stage == "13_pipeline_4d" and world > 1:
+        pp = 2 if world % 2 == 0 else 3
+        found += [((*FSDP, "--pp", str(pp), "--pp-schedule", schedule), pp) for schedule in ("gpipe", "1f1b")]
+        if world == 4:
+            found += [((*FSDP, "--pp", "2", "--tp", "2", "--sp"), 2),
+                      ((*FSDP, "--pp", "2", "--stages-per-rank", "2", "--pp-schedule", "interleaved1f1b"), 4)]
+    if stage == "14_experts":
+        found += [((*FSDP, "--ep", str(ep)), 2) for ep in (2, 4) if world % ep == 0]
+        found += [((*FSDP, "--tp", "2", "--sp", "--ep", "2"), 2)] if world == 4 else []
+    return found
+
+
+def gpt_full() -> list[GptRow]:
+    """Every GPT stage x its layouts at W = 1, 3, 4 x --ac none, full, selective x accumulating 1 or 3 micro-batches,
+    at a global batch of 12 (36 where 3 micro-batches on dp 3 ranks need it), the two seeds and rates taking turns,
+    the refusals, and a row of stage 14 that trains otherwise by design (--balance rank: said before training)."""
+    rows = []
+    for stage in (*SAME_GPT, "14_experts"):
+        for world in (1, 3, 4):
+            for flags, layers in gpt_layouts(stage, world):
+                for ac, accumulate in itertools.product(("none", "full", "selective"), (1, 3)):
+                    pp = int(flags[flags.index("--pp") + 1]) if "--pp" in flags else 1
+                    if pp > 1 and accumulate < pp and "gpipe" not in flags:
+                        continue  # refused (GPT_REFUSED has it): 1F1B needs a micro-batch per stage
+                    row = GptRow(stage, world, (*flags, *(("--ac", ac) * (ac != "none"))), 1, accumulate,
+                                 *GPT_SEED_LR[len(rows) % 2], layers=layers)
+                    total = 12 if 12 % (row.dp * accumulate) == 0 else 36
+                    row = GptRow(**{**row.__dict__, "batch": total // (row.dp * accumulate)})
+                    rows += [row] if row != row.reference else []  # (not a reference against itself)
+    return [*rows, *GPT_REFUSED,
+            GptRow("14_experts", 4, (*FSDP, "--ep", "2", "--balance", "rank"), batch=3, expect="own",
+                   says="each rank counts the experts' load over its own tokens (--balance rank)")]
+
+
+def gpt_rows(config: pytest.Config) -> list[GptRow]:
+    return gpt_full() if config.getoption("--sweep") == "full" else gpt_covering()
+
+
+@pytest.fixture(scope="module")
+def gpt_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The launched GPT rows chosen in this session, by id, and the one-process references they need, by key (each
+    once), POOL at a time: a Run, or the exception its launch raised (reported by the row that reads it)."""
+    chosen = [item.callspec.params["gpt_row"] for item in request.session.items
+              if item.module is request.module and "gpt_row" in getattr(getattr(item, "callspec", None), "params", {})]
+    launched = [r for r in chosen if r.expect != "refuse"]
+    jobs = {r.id: r for r in launched} | {r.reference.id: r.reference for r in launched}  # each reference once
+    tmp = tmp_path_factory.mktemp("gpt_settings")
+    data = small_corpus(tmp)
+
+    def one(name: str, row: GptRow) -> Run | BaseException:
+        step = Step(row.stage, "python" if row.world == 1 else "torchrun", (*row.args(), "--data", str(data)),
+                    nproc=row.world)
+        try:
+            return launch(step, out=tmp / re.sub(r"[^\w.=-]", "_", name))
+        except BaseException as e:  # noqa: BLE001 (pytest.fail's exception too: reported by the test that reads it)
+            return e
+    with ThreadPoolExecutor(max_workers=POOL) as pool:
+        return dict(zip(jobs, pool.map(one, jobs, jobs.values()), strict=True))
+
+
+def test_gpt_setting(gpt_row: GptRow, gpt_runs: dict) -> None:
+    row = gpt_row
+    if row.expect == "refuse":  # before any group is joined: one line naming the flag, exit 2, nothing trained
+        code, err = refusal(list(row.args()), {"WORLD_SIZE": str(row.world)}, row.stage)
+        assert code == 2 and err.strip().splitlines() == [err.strip()] and \
+            err.startswith(f"{row.stage}/train.py: error: {row.says}"), (code, err)
+        return
+    run, one = gpt_runs[row.id], gpt_runs[row.reference.id]
+    for done in (run, one):
+        if isinstance(done, BaseException):
+            raise done
+        check(done)
+    s, flags = run.summary, row.flags
+    assert (s["world_size"], s["dp"], s["global_batch"], s["accumulate"], s["seed"], s["lr"]) == \
+        (row.world, row.dp, row.global_batch, row.accumulate, row.seed, row.lr), s
+    assert (s["tp"], s["sp"], s["ac"], s["parallel"]) == \
+        (row.value("--tp"), "--sp" in flags, row.option("--ac", "none"),
+         "fsdp" if "fsdp" in flags else "ddp"), s
+    if "--replicate" in flags:  # HSDP: said in its first line
+        assert f"(replicate {row.value('--replicate')} x shard {row.dp // row.value('--replicate')})" in run.stdout
+    found, shared = gaps(run, one)
+    if row.expect == "own":  # trains otherwise by design: says so before training, and does
+        assert row.says in run.stdout.split("step ")[0], f"the run should say '{row.says}' before training"
+        assert found["state"] > TOL_GPT, f"said it trains otherwise, but its states are one process's: {found}"
+        return
+    assert shared == [0, 3] and max(found.values()) <= TOL_GPT, f"{row.id} vs one process: {found}"
+    # scored and sampled as one process (the held-out's short last window padded), and the saved model the same
+    assert (s["eval_count"], s["sample"]) == (one.summary["eval_count"], one.summary["sample"]), s["sample"]
+    assert abs(s["eval_loss"] - one.summary["eval_loss"]) <= TOL_GPT, (s["eval_loss"], one.summary["eval_loss"])
+    assert run.model.keys() == one.model.keys()
+    assert max((run.model[k] - one.model[k]).abs().max().item() for k in one.model) <= TOL_GPT
+    if "experts" in s:  # every expert's load, and the balancing loss step by step, as one process's
+        mine, theirs = s["experts"], one.summary["experts"]
+        assert (mine["ep"], mine["load"]) == (row.value("--ep"), theirs["load"]), (mine["load"], theirs["load"])
+        assert max(abs(a - b) for a, b in zip(mine["aux_losses"], theirs["aux_losses"], strict=True)) <= TOL_GPT
