@@ -26,6 +26,23 @@ alone on a 2-core machine without AVX-512 (2026-11-28; the launches forked from 
 tests/forkrun.py). A control replays one W = 3 row as if nothing were padded: it must fail.
 `pytest tests/test_settings.py --sweep=full` runs the full grid instead: every script at every combination its
 layout allows, every layout, resuming both ways (1,143 launches: 2 to 3 hours on 2 cores, at ~16 CPU-s a launch).
+
+The GPT stages (11-14) keep another promise, and have their own rows (GptRow, test_gpt_setting): at any layout a run
+computes the one-process training of its stage, with the same seed, global batch and schedule (stage 14 also the same
+micro-batches: its balancing loss is of each micro-batch's load), within sqrt(eps) of float64 step by step (the
+states, every step's loss and gradient norm: test_gpt.gaps), and scores the held-out text, samples and saves as one
+process does; or it refuses in one line naming the flag, exit 2 (checked in this process through main(), as
+test_gpt.refusal does: no launch). Tiny runs (2 blocks, width 32, context 24, 3 steps) on harness.small_corpus. In CI,
+six layouts the GPT tests never launch, all at a global batch of 12 so that they share two one-process references
+(stage 11's GPT, stage 14's experts): 8 launches. DDP over 3 ranks with --ac full; dp 2 x tp 2 --sp --ac selective;
+HSDP (replicate 2 x shard 2); stage 12's cp 2 x tp 2 --sp --ac full; 13's dp 2 x pp 2 (1F1B) --ac selective; 14's
+dp 2 x tp 2 --sp --ep 2 --ac full; all but the first over 3 micro-batches. And ten refusals (tp or cp not dividing W
+or the heads, R not dividing dp, --replicate with DDP, an unknown --ac, 1F1B with fewer micro-batches than stages,
+fewer blocks than stages, ep not dividing the dp ranks or the experts). `--sweep=full`: every GPT stage x its layouts
+(gpt_layouts: DDP, FSDP2, HSDP with shard 1 too, tp with and without --sp, cp 2-4 ring, all-gather and contiguous, pp
+2-3 GPipe, 1F1B and interleaved, ep 2 and 4) at W = 1, 3, 4 x --ac none, full, selective x 1 or 3 micro-batches,
+the two seeds and rates taking turns, and a row of stage 14 that trains otherwise by design (--balance rank: said
+before training, and its states differ): 370 rows and 13 references, 383 launches.
 """
 from __future__ import annotations
 
@@ -507,13 +524,13 @@ def gpt_full() -> list[GptRow]:
     rows = []
     for stage in (*SAME_GPT, "14_experts"):
         for world in (1, 3, 4):
-            for flags, layers in gpt_layouts(stage, world):
-                for ac, accumulate in itertools.product(("none", "full", "selective"), (1, 3)):
+            for n, (flags, layers) in enumerate(gpt_layouts(stage, world)):
+                for i, (ac, accumulate) in enumerate(itertools.product(("none", "full", "selective"), (1, 3))):
                     pp = int(flags[flags.index("--pp") + 1]) if "--pp" in flags else 1
                     if pp > 1 and accumulate < pp and "gpipe" not in flags:
                         continue  # refused (GPT_REFUSED has it): 1F1B needs a micro-batch per stage
                     row = GptRow(stage, world, (*flags, *(("--ac", ac) * (ac != "none"))), 1, accumulate,
-                                 *GPT_SEED_LR[len(rows) % 2], layers=layers)
+                                 *GPT_SEED_LR[(n + i) % 2], layers=layers)  # each layout at both
                     total = 12 if 12 % (row.dp * accumulate) == 0 else 36
                     row = GptRow(**{**row.__dict__, "batch": total // (row.dp * accumulate)})
                     rows += [row] if row != row.reference else []  # (not a reference against itself)
@@ -570,7 +587,8 @@ def test_gpt_setting(gpt_row: GptRow, gpt_runs: dict) -> None:
         assert f"(replicate {row.value('--replicate')} x shard {row.dp // row.value('--replicate')})" in run.stdout
     found, shared = gaps(run, one)
     if row.expect == "own":  # trains otherwise by design: says so before training, and does
-        assert row.says in run.stdout.split("step ")[0], f"the run should say '{row.says}' before training"
+        before_training = re.split(r"^step ", run.stdout, maxsplit=1, flags=re.M)[0]
+        assert row.says in before_training, f"the run should say '{row.says}' before training"
         assert found["state"] > TOL_GPT, f"said it trains otherwise, but its states are one process's: {found}"
         return
     assert shared == [0, 3] and max(found.values()) <= TOL_GPT, f"{row.id} vs one process: {found}"
