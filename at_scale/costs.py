@@ -351,15 +351,19 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
     if own and lay.dp_cp // lay.ep > 1:  # stage 14: the experts' gradients all-reduced over their replicas
         add("all_reduce", "ep_replicas", blocks * len(own), own_elems / len(own) * f4,
             ring("all_reduce", lay.dp_cp // lay.ep))
+    # Experts: stage 14 checkpoints the whole block at ep 1 (its rerun runs to the balancing loss, the block's last
+    # op), under --ep the attention alone (its rerun stops before the projection's matmul: no sum over tp again)
+    whole_rerun = lay.ac != "none" and not (m.experts and lay.ep > 1)
     if lay.tp > 1 and lay.sp:  # SP_PLAN, per block and micro-batch: the attention's and the MLP's input all-gathered
         # (a rank hands over its t / tp tokens), the row-wise layers' sums reduce-scattered (the whole stream handed
         # over), forward; backward the reverse, 2 + 2 (q, k and v's input gradients summed before one). --ac reruns
         # the forward's all-gathers (full and selective: KEEP keeps the reduce-scatters, not them) and full the
-        # attention's reduce-scatter (its rerun stops before the MLP's last matmul).
-        gathers = 4 + 2 * (lay.ac != "none")
+        # attention's reduce-scatter (its rerun stops before the MLP's last matmul). Experts: the attention's alone,
+        # 1 + 1 (the MoE takes its rank's tokens as they are), and the rerun's (under --ep outside the checkpoint)
+        gathers = (2 if m.experts else 4) + (1 if m.experts else 2) * whole_rerun
         add("all_gather", "tp", blocks * acc * gathers, stream / lay.tp * act, ring("all_gather", lay.tp))
-        add("reduce_scatter", "tp", blocks * acc * (4 + (lay.ac == "full")), stream * act,
-            ring("reduce_scatter", lay.tp))
+        add("reduce_scatter", "tp", blocks * acc * ((2 if m.experts else 4) + (lay.ac == "full" and whole_rerun)),
+            stream * act, ring("reduce_scatter", lay.tp))
         # Around the blocks, each micro-batch (SP_AROUND): the first stage's embeddings hand back their outputs'
         # gradients all-gathered (the tokens', the positions'); the last all-gathers the head's input forward and
         # reduce-scatters its gradient, and the loss on the logits' pieces all-reduces three numbers a token
@@ -372,10 +376,12 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         # FSDP2 reduces the gradients (split_over_tp says why).
         norms = blocks * (4 if m.biases else 2) + last * (2 if m.biases else 1)
         add("all_reduce", "tp", norms, m.width * f4, ring("all_reduce", lay.tp))
+        for elems in summed_over_tp(m, lay):  # experts: the routers' and the experts' gradients, tensor by tensor
+            add("all_reduce", "tp", blocks, elems * f4, ring("all_reduce", lay.tp))
     elif lay.tp > 1:  # per block and micro-batch: two all-reduces forward, four backward (TP_PLAN); experts: 1 + 3.
         # --ac full reruns the forward in backward up to the MLP's last matmul (torch's checkpoint stops there): the
         # attention's row-wise all-reduce once more. (selective keeps the all-reduce's output: KEEP.)
-        per = (6 if not m.experts else 4) + (lay.ac == "full")
+        per = (6 if not m.experts else 4) + (lay.ac == "full" and whole_rerun)
         add("all_reduce", "tp", blocks * acc * per, stream * act, ring("all_reduce", lay.tp))
     if lay.cp > 1:  # the ring (context_parallel.py): forward, keys and values each hop but the last; backward, the
         # same, and their gradient (float32 at least) every hop
@@ -392,23 +398,28 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
     # The gradient's norm (parallelize.py clip_gradients): a float32 number summed over each mesh its DTensor
     # gradients lie on (FSDP2's dp x cp; tp's layers' dp x cp and tp), then over the pipeline's stages.
     # (--sp: the norms and the head lie on both meshes too: the dp x cp mesh alone holds the first stage's embeddings)
+    # (experts: the routers, plain weights under FSDP2, lie on the dp x cp mesh alone on every stage)
     if lay.parallel == "fsdp":  # (HSDP: over the shard group; the replicas' gradients are equal)
-        add("all_reduce", shards, 1 + (lay.tp > 1 and (first or not lay.sp)), 4, ring("all_reduce", s))
+        add("all_reduce", shards, 1 + (lay.tp > 1 and (first or not lay.sp or m.experts > 0)), 4,
+            ring("all_reduce", s))
     add("all_reduce", "tp", int(lay.tp > 1), 4, ring("all_reduce", lay.tp))
     add("all_reduce", "pp", int(lay.pp > 1), 4, ring("all_reduce", lay.pp))
     if m.experts and lay.ep > 1:  # every token's k rows to their experts and back, forward and backward: an even load
         # leaves (ep - 1) / ep of them off this rank
-        rows = tokens * m.top_k * (lay.ep - 1) / lay.ep
+        rows = tokens // (lay.tp if lay.sp else 1) * m.top_k * (lay.ep - 1) / lay.ep  # (--sp: its own tokens')
         add("all_to_all", "ep", blocks * acc * 4, rows * m.width * act, 1)
         # first the counts of rows each rank will receive (E int64 numbers); the norm over the experts' ep mesh
         add("all_to_all", "ep", blocks * acc, m.experts * 8, (lay.ep - 1) / lay.ep)
         add("all_reduce", "ep", 1, 4, ring("all_reduce", lay.ep))
-    if m.experts and n > 1:  # the balancing loss's load, counted over the micro-batch's dp x cp ranks (--balance batch)
-        add("all_reduce", "dp_cp", blocks * acc, m.experts * 4, ring("all_reduce", n))
+    if m.experts:  # the balancing loss's load, counted over the micro-batch's dp x cp ranks (--balance batch), and
+        # under --sp over tp (each tp rank routed its own tokens); again where the MoE is rerun (ep 1's checkpoint)
+        for dim, size in (("dp_cp", n), ("tp", lay.tp if lay.sp else 1)):
+            if size > 1:
+                add("all_reduce", dim, blocks * acc * (1 + whole_rerun), m.experts * 4, ring("all_reduce", size))
 
     # ── activations ── (per block and micro-batch, in units of the residual stream: Korthikanti et al. 2022's count,
     # redone for this code: no dropout, attention by a fused kernel that keeps no score matrix)
-    kept = block_kept_units(m, lay.tp, lay.ac, lay.sp, lay.cp)
+    kept = block_kept_units(m, lay.tp, lay.ac, lay.sp, lay.cp, ep=lay.ep)
     saved_block = stream * act * kept + ring_kept_bytes(m, lay)
     in_flight = held_forwards(lay, stage)
 
@@ -421,12 +432,16 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
     else:
         peak = held(in_flight) * saved_block
     # A checkpointed block's backward first rebuilds what it did not keep: one block's worth, beside the rest.
-    rebuilt = stream * act * block_recomputed_units(m, lay.tp, lay.ac, lay.sp)
+    rebuilt = stream * act * block_recomputed_units(m, lay.tp, lay.ac, lay.sp, ep=lay.ep)
     if lay.ac == "selective" and lay.cp > 1:  # and the ring's output (float32 at least), which KEEP does not name
         rebuilt += stream / lay.tp * max(act, 4)
-    if lay.ac == "full":  # and it starts at the MLP's last matmul: beside the rebuilt block, the gradient arriving,
-        # the one made for the matmul's input (ffn / width / tp) and its weight's (ffn x width / tp; under FSDP2 the
-        # unit's whole gradient, counted below)
+    if lay.ac == "full" and m.experts and lay.ep == 1:  # (under --ep nothing rebuilt at the peak: the attention's)
+        # and it starts at the MoE's end: beside the rebuilt block, the gradient arriving, the ones made for the
+        # experts' outputs and for their inner layer's (k rows a token: k, k ffn / width); the weights' (stacked)
+        rebuilt += stream * act * (1 + m.top_k * (1 + m.ffn / m.width) / (lay.tp if lay.sp else 1))
+    elif lay.ac == "full" and not m.experts:  # and it starts at the MLP's last matmul: beside the rebuilt block, the
+        # gradient arriving, the one made for the matmul's input (ffn / width / tp) and its weight's (ffn x width /
+        # tp; under FSDP2 the unit's whole gradient, counted below)
         rebuilt += stream * act * (1 + m.ffn / m.width / lay.tp)
         if not (lay.parallel == "fsdp" and s > 1):
             rebuilt += m.ffn * m.width // lay.tp * act
@@ -450,10 +465,16 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
             # counted, the planner may overstate the last stage by 8 bytes a token and vocabulary entry.
             at_loss = held(in_flight) * saved_block + last_terms - loss + \
                 (2 * logits if lay.pp > 1 else 1) * tokens * v * 4 + 2 * tokens * m.vocab * 4
+    # Experts: a block's MoE backward makes each expert's weight gradient, then stacks them into the [e, ...] one: the
+    # inner layer's per expert and stacked, beside the outer layer's stacked (under DDP already the weight's .grad,
+    # counted in the state): 3 (2) e ffn x width, once the loss's tensors are gone
+    stacked = (3 if lay.parallel == "fsdp" else 2) * m.experts // lay.ep * m.ffn * m.width * \
+        (BYTES[gathered] if lay.parallel == "fsdp" and lay.ep == 1 else f4)
     # --ac full: the loss's tensors are gone when the last block's backward rebuilds it; else both are counted
-    peak += max(rebuilt, last_terms) if lay.ac == "full" else rebuilt + last_terms
+    peak += max(rebuilt + stacked, last_terms) if lay.ac == "full" else rebuilt + max(stacked, last_terms)
     if lay.parallel == "fsdp" and s > 1:
         g = BYTES[gathered]
+        unit_elems = full - blocks * own_elems  # what FSDP2 gathers: not a rank's own experts (under --ep, its own)
         # The peak is at the start of the backward: the root gathered (kept from forward to backward), the block at
         # work and the next (prefetched), and every unit's whole gradient while they accumulate (over micro-batches
         # or the pipeline's), else the one block's being reduce-scattered. Or, with little activation, at the
@@ -471,7 +492,7 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
             if len(chunks) > 1:  # (interleaved: the first stage's backwards come while the warm-up's forwards of the
                 # others are still held, its tables' gradients whole from its first backward on)
                 others = [(in_flight - 1, full)]
-            at_table = max(held(n) * saved_block + grads * f4 for n, grads in others) + full * g + table + \
+            at_table = max(held(n) * saved_block + grads * f4 for n, grads in others) + unit_elems * g + table + \
                 stream * act
         # (a unit's all-gather fills s shards, padded: where s does not divide a tensor's rows, more than the
         # tensor; stage 14's experts under FSDP2 are rows of a [E, ...] tensor: s above E gathers s / E times them)
@@ -488,12 +509,17 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         # Interleaved, a rank's stages take turns: a stage's forwards run while its others, after their first
         # backward, keep their weights gathered and their gradients whole. Counted at the worst: the most the rank
         # holds of activations and sends (interleaved_peak) beside all of its stages' weights and gradients whole.
-        interleaved = peak + full * (f4 + g) if len(chunks) > 1 else 0
-        peak = max(at_blocks + gathered_now, at_table, interleaved,
+        interleaved = peak + full * f4 + unit_elems * g if len(chunks) > 1 else 0
+        # Or, without a pipeline, as the backward ends: the root gathered, its whole gradient made (the embeddings'
+        # last) beside the gradient arriving, every unit's whole gradient if they accumulate, and a rank's own
+        # experts' (under --ep: left out of FSDP2, made whole in the step; the simulation counts them here too)
+        at_end = root_elems * g + stream * act + (full if acc > 1 else root_elems + blocks * own_elems) * f4 \
+            if lay.pp == 1 else 0
+        peak = max(at_blocks + gathered_now, at_table, interleaved, at_end,
                    2 * root_elems * g + (full * f4 if acc > 1 and lay.pp == 1 else 0))
         if lay.sp and last:  # (at the loss: the root gathered, no block; the gradients accumulating, if they do)
             # (interleaved: the rank's other stages, after their first backward, kept gathered: all of it)
-            at_loss += (full if len(chunks) > 1 else root_elems) * g + (full * f4 if acc > 1 or lay.pp > 1 else 0)
+            at_loss += (unit_elems if len(chunks) > 1 else root_elems) * g + (full * f4 if acc > 1 or lay.pp > 1 else 0)
     if lay.sp and last:
         peak = max(peak, at_loss)
     # ── FLOPs ── (FlopCounterMode's: a matmul 2mnk forward, twice that backward; attention the whole score matrix)
@@ -507,20 +533,34 @@ def block_activation_units(m: Model, tp: int, sp: bool = False) -> float:
     outputs (4, whole on every tp rank), and this rank's heads' q, k and v, the attention's output and the
     projection's input (a copy: 5 / tp), the MLP's two inner activations (8 / tp; SwiGLU's w1 x, w3 x, silu(w1 x) and
     their product: 4 ffn / width / tp)."""
+    return block_norm_units(m, tp, sp) + block_attention_units(m, tp) + block_mlp_units(m, tp, sp)
+
+
+def block_norm_units(m: Model, tp: int, sp: bool = False) -> float:
+    """The two norms' inputs and outputs a block saves, in units of its input. --sp: the norms' inputs split over tp
+    (2 / tp); their outputs all-gathered, as q, k, v's and the MLP's input, are kept whole by those matmuls (torch
+    saves a matmul's input as it is: Korthikanti et al. keep it split and all-gather it again in backward). With
+    experts the MoE takes norm2's output as it is, split (SP_PLAN's "moe"): only norm1's is gathered."""
+    if not sp:
+        return 4.0
+    return 1 + 3 / tp if m.experts else 2 + 2 / tp
+
+
+def block_attention_units(m: Model, tp: int) -> float:
+    """This rank's heads' q, k and v, the attention's output and the projection's input (a copy), in units of the
+    block's input."""
+    return (1 + 2 * m.kv_heads * m.head_size / m.width + 2) / tp
+
+
+def block_mlp_units(m: Model, tp: int, sp: bool = False) -> float:
+    """What the MLP saves, in units of the block's input: GELU's input and output (2 ffn / width / tp; SwiGLU's w1 x,
+    w3 x, silu(w1 x) and their product: 4 ffn / width / tp). Experts: each token's k rows gathered for them, the
+    inner layer's output (its bias added: a matmul and an add) and GELU's, and the experts' outputs concatenated (the
+    gates' product needs them), whole on every tp rank; --sp: of the rank's own t / tp tokens."""
     w = m.width
-    kv = m.kv_heads * m.head_size / w
-    attention = (1 + 2 * kv + 2) / tp
-    if m.experts:  # each token's k rows, in and out of two layers of ffn, and the rows gathered for them
-        mlp = m.top_k * (2 * m.ffn / w + 2)
-    elif m.mlp == "swiglu":
-        mlp = 4 * m.ffn / w / tp
-    else:
-        mlp = 2 * m.ffn / w / tp
-    # --sp: the norms' inputs split over tp (2 / tp); their outputs all-gathered, as q, k, v's and the MLP's input,
-    # are kept whole by those matmuls (torch saves a matmul's input as it is: Korthikanti et al. keep it split and
-    # all-gather it again in backward)
-    norms = 2 + 2 / tp if sp else 4
-    return norms + attention + mlp
+    if m.experts:
+        return m.top_k * (2 * m.ffn / w + 2) / (tp if sp else 1)
+    return (4 if m.mlp == "swiglu" else 2) * m.ffn / w / tp
 
 
 AC = ("none", "full", "selective")  # activation checkpointing, as the stages' --ac
@@ -528,24 +568,15 @@ AC = ("none", "full", "selective")  # activation checkpointing, as the stages' -
 
 def unmodelled_ac(m: Model, ac: str, cp: int) -> str | None:
     """Why these formulas do not model --ac `ac` for this model at this cp (None: they do). plan.py leaves such
-    layouts out and refuses them as flags; rank_costs raises."""
+    layouts out and refuses them as flags; rank_costs raises. (Every --ac is modelled, with experts too: stage 14's
+    whole block at ep 1, its attention alone under --ep; --sp with experts too, each tp rank routing its own tokens.)"""
     if ac not in AC:
         return f"--ac {ac}: none, full or selective"
-    if ac != "none" and m.experts:  # (stage 14 checkpoints the attention alone under --ep, and routes again)
-        return "activation checkpointing with experts is not modelled"
-    return None
-
-
-def unmodelled_sp(m: Model, ac: str, sp: bool) -> str | None:
-    """Why these formulas do not model --sp with this model and --ac (None: they do, or sp is off). plan.py leaves
-    such layouts out and refuses them as flags; rank_costs raises."""
-    if sp and m.experts:  # (stage 14 routes each tp rank's own tokens under --sp: not counted here)
-        return "sequence parallelism with experts is not modelled"
     return None
 
 
 def check_ac(m: Model, lay: Layout) -> None:
-    if (why := unmodelled_ac(m, lay.ac, lay.cp) or unmodelled_sp(m, lay.ac, lay.sp)) is not None:
+    if (why := unmodelled_ac(m, lay.ac, lay.cp)) is not None:
         raise ValueError(why)
     if lay.sp and lay.tp == 1:
         raise ValueError("--sp splits the sequence over tp: it needs tp 2 or more")
@@ -567,62 +598,99 @@ def ring_kept_bytes(m: Model, lay: Layout) -> float:
         max(BYTES["bfloat16" if lay.precision == "bf16" else "float32"], 4)
 
 
-def block_kept_units(m: Model, tp: int, ac: str, sp: bool = False, cp: int = 1) -> float:
+def block_kept_units(m: Model, tp: int, ac: str, sp: bool = False, cp: int = 1, ep: int = 1) -> float:
     """What a block keeps for its backward under --ac, in units of its input. full: the input alone. selective
     (parallelize.py KEEP): the input, and the outputs of its matmuls and attention: q, k, v and the attention's
     (this rank's heads: (2 + 2 kv) / tp), the projection's (whole, its partial sum; under tp its all-reduced sum
     too), the MLP's inner matmul (ffn / width / tp; SwiGLU's two) and outer one (as the projection). The norms,
     GELU and the adds are recomputed from those. (At tp 4 and more selective keeps more than none: the row-wise
     layers' sums are whole on every tp rank, and none keeps neither.) --sp: the input and the reduce-scatters' outputs
-    are split over tp. cp: the ring's output is no op KEEP names (rebuilt); its matmuls are (ring_kept_bytes)."""
+    are split over tp. cp: the ring's output is no op KEEP names (rebuilt); its matmuls are (ring_kept_bytes).
+    Experts (stage 14's checkpointed): at ep 1 the whole block; under --ep the attention alone, whose input (norm1's
+    output) the norms count: the norms and the MoE keep what they keep under none."""
     if ac == "none":
         return block_activation_units(m, tp, sp)
-    if ac == "full":  # (with experts, not modelled: check_ac) (--sp: its input is split over tp)
-        return 1 / tp if sp else 1.0
     kv = m.kv_heads * m.head_size / m.width
     # the row-wise layer's output, and the all-reduce's (--sp: the reduce-scatter's, its t / tp tokens)
     rowwise = (1 + 1 / tp if sp else 2) if tp > 1 else 1
-    inner = (2 if m.mlp == "swiglu" else 1) * m.ffn / m.width / tp
     attention = 1 / tp if cp == 1 else 0  # (cp's ring is no op KEEP names: its output is rebuilt, ring_kept_bytes)
+    if m.experts and ep > 1:  # (full: nothing of the attention's; selective: its matmuls', the attention's, the sum's)
+        kept = 0 if ac == "full" else (1 + 2 * kv) / tp + attention + rowwise
+        return block_norm_units(m, tp, sp) + kept + block_mlp_units(m, tp, sp)
+    if ac == "full":  # (--sp: its input is split over tp)
+        return 1 / tp if sp else 1.0
+    if m.experts:  # the MoE's matmuls' outputs: the router's (E a token), the experts' inner and outer layers' before
+        # their biases are added (k rows a token: k ffn / width, k); no row-wise layer, no sum over tp
+        moe = m.experts / m.width + m.top_k * (m.ffn / m.width + 1) / (tp if sp else 1)
+        return (1 / tp if sp else 1) + (1 + 2 * kv) / tp + attention + rowwise + moe
+    inner = (2 if m.mlp == "swiglu" else 1) * m.ffn / m.width / tp
     return (1 / tp if sp else 1) + (1 + 2 * kv) / tp + attention + rowwise + inner + rowwise
 
 
-def block_recomputed_units(m: Model, tp: int, ac: str, sp: bool = False) -> float:
+def block_recomputed_units(m: Model, tp: int, ac: str, sp: bool = False, ep: int = 1) -> float:
     """What a checkpointed block rebuilds for its backward, held beside what it kept, in units of its input. full:
     all it did not keep (its forward but the MLP's output). selective: what KEEP leaves out: the two norms' outputs
     and the residual sum between attention and MLP (whole on every tp rank: 3), the attention's output reshaped for
-    the projection (1 / tp), GELU's output (ffn / width / tp; SwiGLU's silu(w1 x) and the product: twice that)."""
-    if ac == "none":
+    the projection (1 / tp), GELU's output (ffn / width / tp; SwiGLU's silu(w1 x) and the product: twice that).
+    Experts under --ep: the attention alone is rebuilt, after the block's MoE has freed more in its backward (its
+    k rows a token, 2 k (ffn / width + 1)) than the attention rebuilds (5 / tp at most): never the busiest moment."""
+    if ac == "none" or m.experts and ep > 1:
         return 0.0
     if ac == "full":
         return block_activation_units(m, tp, sp) - block_kept_units(m, tp, ac, sp)
+    if m.experts:  # the norms' outputs and the residual sum (--sp: split, 3 / tp, and norm1's output gathered for q,
+        # k and v), the attention's output reshaped, and all the MoE saves: none of it a matmul's output (the rows
+        # gathered, the layers' outputs with their biases added, GELU's, the experts' outputs concatenated)
+        return (3 / tp + 1 if sp else 3) + 1 / tp + block_mlp_units(m, tp, sp)
     # (--sp: the norms' outputs and the residual sum split over tp, 3 / tp; the norms' outputs all-gathered for q, k,
     # v and the MLP, whole: 2, an all-gather being no matmul)
     return (3 / tp + 2 if sp else 3) + 1 / tp + (2 if m.mlp == "swiglu" else 1) * m.ffn / m.width / tp
 
 
+def summed_over_tp(m: Model, lay: Layout) -> list[int]:
+    """--sp with experts: the elements of each of a block's router and experts' gradients a rank sums over tp after
+    backward, by hand (parallelize.py sum_over_tp: each tp rank routed its own tokens, its gradient a part), as the
+    rank holds them: FSDP2's shard (ep 1), or its own experts whole (under --ep, left out of FSDP2)."""
+    if not (m.experts and lay.sp and lay.tp > 1):
+        return []
+    return [r * c if kind == "expert" and lay.ep > 1 or lay.parallel != "fsdp" else sharded(r, c, lay.shard_cp)
+            for r, c, kind in block_tensors(m, lay.tp, lay.ep)[-5:]]  # (the router, then the experts' four)
+
+
 def recomputed_flops(m: Model, lay: Layout, blocks: int) -> float:
     """FLOPs a step spends again in backward: full, a forward of every block but its last matmul (torch's
     checkpoint stops once it has rebuilt what backward needs, and nothing needs the MLP's output); selective,
-    none (what it recomputes is not a matmul)."""
+    none (what it recomputes is not a matmul). Experts: at ep 1 the whole block's forward (the gates' product needs
+    the experts' outputs, the balancing loss comes last); under --ep the attention's but its projection."""
     if lay.ac != "full":
         return 0.0
     tokens = lay.micro_batch * m.context // lay.cp * lay.accumulate
+    if m.experts and lay.ep > 1:
+        return blocks * (2 * tokens * sum(r * c for r, c, _ in block_tensors(m, lay.tp, lay.ep)[:3]) +
+                         attention_flops(m, lay))
+    if m.experts:
+        return flops_forward_blocks(m, lay, blocks)
     return flops_forward_blocks(m, lay, blocks) - blocks * 2 * tokens * m.width * m.ffn // lay.tp
 
 
 def flops_forward_blocks(m: Model, lay: Layout, blocks: int) -> float:
     """Forward FLOPs of this rank's blocks in one step (every micro-batch)."""
     tokens = lay.micro_batch * m.context // lay.cp * lay.accumulate
-    w, hd = m.width, m.head_size
+    w = m.width
     dense = 2 * tokens * sum(r * c for r, c, kind in block_tensors(m, lay.tp, 1)
                              if c > 1 and kind != "replicated" and kind != "expert")
-    if m.experts:
-        dense += 2 * tokens * w * m.experts  # the router
-        dense += 2 * tokens * m.top_k * 2 * w * m.ffn  # k experts a token
-    # attention: q k^T and p v, the whole score matrix (as torch counts a fused kernel), this rank's heads
-    attn = 4 * lay.micro_batch * lay.accumulate * (m.heads // lay.tp) * (m.context // lay.cp) * m.context * hd
-    return blocks * (dense + attn)
+    if m.experts:  # (--sp: each tp rank routes its own t / tp tokens)
+        routed = tokens // (lay.tp if lay.sp else 1)
+        dense += 2 * routed * w * m.experts  # the router
+        dense += 2 * routed * m.top_k * 2 * w * m.ffn  # k experts a token
+    return blocks * (dense + attention_flops(m, lay))
+
+
+def attention_flops(m: Model, lay: Layout) -> float:
+    """One block's attention forward in a step, q k^T and p v: the whole score matrix (as torch counts a fused
+    kernel), this rank's heads."""
+    return 4 * lay.micro_batch * lay.accumulate * (m.heads // lay.tp) * (m.context // lay.cp) * m.context * \
+        m.head_size
 
 
 def model_flops(m: Model, lay: Layout, blocks: int, first: bool, last: bool) -> float:

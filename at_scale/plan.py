@@ -200,7 +200,7 @@ def layouts(m: Model, gpus: int, gpus_per_node: int, sequences: int, fixed: dict
                                 continue  # the stages split layers (tp, pp) under FSDP2; zero_by_hand is dp alone
                             for ac, sp in ((ac, sp) for ac in costs.AC for sp in (False, True)):
                                 if costs.unmodelled_ac(m, ac, cp) is not None or (sp and (
-                                        tp == 1 or m.context % (cp * tp) or costs.unmodelled_sp(m, ac, sp))):
+                                        tp == 1 or m.context % (cp * tp))):
                                     continue  # (--sp: the stages' check, tp dividing each cp share)
                                 for schedule, v in pipeline_schedules(m.layers, pp, acc):
                                     lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, parallel=parallel, micro_batch=mb,
@@ -354,8 +354,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.sp == "yes" and args.tp == 1:
             p.error("argument --sp: sequence parallelism splits the sequence over tp; --tp 1 has none (use --tp 2 or "
                     "more, or leave --tp out)")
-        if (why := costs.unmodelled_sp(args.model_, args.ac or "none", args.sp == "yes")) is not None:
-            p.error(f"argument --sp: {why}; use --sp no or leave it out (costs.unmodelled_sp)")
         args.fixed["sp"] = args.sp == "yes"
     return args
 

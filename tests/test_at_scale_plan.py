@@ -4,10 +4,11 @@ fits.
 The formulas count, for one rank of a layout, the bytes of its parameters, gradients and AdamW's moments, the bytes it
 sends per collective and per grid dimension, and its activation peak. simulate.py measures the same from the stages'
 own code (stage 13's, stage 14's with experts) on a fake process group. At 1 billion parameters and more, at 64 to
-16,384 ranks, on 22 layouts spanning dp, tp, pp (1F1B, GPipe and interleaved 1F1B, first, middle and last stages), cp,
+16,384 ranks, on 26 layouts spanning dp, tp, pp (1F1B, GPipe and interleaved 1F1B, first, middle and last stages), cp,
 ep (FSDP2 over the experts at ep 1 too, and HSDP beside them), DDP and FSDP2
-(five under --ac selective, one with cp; two under full; four with sequence parallelism, --sp, one under full, two
-under selective on a pipeline: its first stage and its last, simulated apart):
+(seven under --ac selective, one with cp; five under full; six with sequence parallelism, --sp, two under full, two
+under selective on a pipeline: its first stage and its last, simulated apart; experts on nine, three with --ac, one
+with --sp):
 the state agrees exactly (within 1% is asked), every collective's calls exactly and its bytes within 1% (the rows
 that carry the model's tensors, 1 MiB and up; the gradient norm's few numbers by their calls), and the activation peak
 within 10% (the formulas: Korthikanti et al. 2022's count of what a block saves, redone for this code, and what FSDP2,
@@ -80,6 +81,15 @@ LAYOUTS = [
                    ac="selective"), 20),
     (SHAPE_6, dict(dp=8, tp=4, pp=2, parallel="fsdp", accumulate=6, schedule="interleaved1f1b", stages_per_rank=3,
                    ac="full", sp=True), 63),
+    # experts with --ac: stage 14 checkpoints the attention alone under --ep (the MoE keeps what it made: no
+    # all-to-all again, no sum over tp again), at ep 1 the whole block (the experts' matmuls and the balancing loss's
+    # load all-reduce rerun, the experts' weight gradients stacked beside the rebuilt block)
+    (SHAPE_MOE, dict(dp=64, ep=8, parallel="fsdp", ac="selective"), 0),
+    (SHAPE_MOE, dict(dp=32, tp=2, ep=4, parallel="fsdp", ac="full"), 0),
+    (SHAPE_MOE, dict(dp=8, tp=8, parallel="fsdp", ac="full"), 0),
+    # experts with --sp: each tp rank routes its own t / tp tokens (its all-to-all's rows, its MoE's activations), the
+    # routers' and experts' gradients and the balancing loss's load summed over tp: a pipeline's last stage
+    (SHAPE_MOE, dict(dp=16, tp=2, ep=2, pp=2, parallel="fsdp", accumulate=2, sp=True), 63),
 ]
 
 
@@ -151,9 +161,11 @@ def simulated(simulate):
 
 
 def test_the_formulas_are_the_simulation(plan, simulated):
-    """22 layouts at 1.08 to 1.89 billion parameters on 64 to 16,384 ranks, every dimension: the state, the bytes sent
+    """26 layouts at 1.08 to 1.89 billion parameters on 64 to 16,384 ranks, every dimension: the state, the bytes sent
     and the activation peak the formulas give for the rank are what the stages' own code does at that size."""
-    assert len(LAYOUTS) >= 22 and any(layout.get("sp") for _, layout, _ in LAYOUTS)
+    assert len(LAYOUTS) >= 26 and any(layout.get("sp") for _, layout, _ in LAYOUTS)
+    experts = [layout for shape, layout, _ in LAYOUTS if len(shape) > 5]  # (stage 14's: --ac and --sp with experts)
+    assert {"full", "selective"} <= {layout.get("ac") for layout in experts} and any(lay.get("sp") for lay in experts)
     assert {d for _, layout, _ in LAYOUTS for d in layout if layout[d] != 1} >= {"dp", "tp", "pp", "cp", "ep"}
     sizes = [plan.costs.Layout(**layout).world for _, layout, _ in LAYOUTS]
     assert min(sizes) >= 64 and max(sizes) == 16384
@@ -169,7 +181,8 @@ def test_a_wrong_formula_is_seen(plan, simulated, monkeypatch):
     --ac selective counted as none (what a block keeps, and nothing rebuilt); --ac full's recomputation sending
     nothing; --sp counted as no sp (all-reduces in place of its all-gathers and reduce-scatters, the norms whole, the
     head and the loss whole); selective under --sp keeping as without it, under cp nothing of the ring's; HSDP's
-    replicas all-reducing whole gradients, not their shard's."""
+    replicas all-reducing whole gradients, not their shard's; experts under --ep recomputed as at ep 1 (the whole
+    block checkpointed); --sp with experts leaving out the tp sum of the routers' and experts' gradients."""
     costs = plan.costs
     real_chunks = costs.rank_chunks
     pipelined = next(i for i, (_, lay, _) in enumerate(LAYOUTS) if lay.get("pp", 1) > 1)
@@ -210,8 +223,8 @@ def test_a_wrong_formula_is_seen(plan, simulated, monkeypatch):
     # with cp as if it kept nothing of the ring's
     monkeypatch.undo()
     kept = costs.block_kept_units
-    monkeypatch.setattr(costs, "block_kept_units", lambda m, tp, ac, sp=False, cp=1: kept(
-        m, tp, ac, sp and ac != "selective", cp))
+    monkeypatch.setattr(costs, "block_kept_units", lambda m, tp, ac, sp=False, cp=1, ep=1: kept(
+        m, tp, ac, sp and ac != "selective", cp, ep))
     monkeypatch.setattr(costs, "ring_kept_bytes", lambda m, lay: 0.0)
     first = next(i for i, (_, lay, rank) in enumerate(LAYOUTS) if lay.get("sp") and lay.get("ac") == "selective" and
                  lay.get("pp", 1) > 1 and rank == 0)  # (on the last stage, where the loss weighs more, by 11%)
@@ -249,6 +262,20 @@ def test_a_wrong_formula_is_seen(plan, simulated, monkeypatch):
             monkeypatch.setattr(costs, "rank_chunks", lambda m, lay, rank: [sum(real_chunks(m, lay, rank))])
         found = [d for i in interleaved for d in differences(costs, *LAYOUTS[i][:2], LAYOUTS[i][2], simulated[i])]
         assert any(("'pp'" if wrong == "sends" else "activation peak") in d for d in found), (wrong, found)
+    # experts: under --ep the whole block checkpointed, as at ep 1 (the MoE keeping its input alone, rebuilding the
+    # rest); under --sp the routers' and experts' gradients not summed over tp
+    monkeypatch.undo()
+    kept, rebuilt = costs.block_kept_units, costs.block_recomputed_units
+    monkeypatch.setattr(costs, "block_kept_units", lambda m, tp, ac, sp=False, cp=1, ep=1: kept(m, tp, ac, sp, cp))
+    monkeypatch.setattr(costs, "block_recomputed_units", lambda m, tp, ac, sp=False, ep=1: rebuilt(m, tp, ac, sp))
+    i = next(i for i, (shape, lay, _) in enumerate(LAYOUTS) if len(shape) > 5 and lay.get("ac") == "full" and
+             lay.get("ep", 1) > 1)
+    assert any("activation peak" in d for d in differences(costs, *LAYOUTS[i][:2], LAYOUTS[i][2], simulated[i]))
+    monkeypatch.undo()
+    monkeypatch.setattr(costs, "summed_over_tp", lambda m, lay: [])
+    i = next(i for i, (shape, lay, _) in enumerate(LAYOUTS) if len(shape) > 5 and lay.get("sp"))
+    found = differences(costs, *LAYOUTS[i][:2], LAYOUTS[i][2], simulated[i])
+    assert any("('all_reduce', 'tp')" in d for d in found), found
 
 
 def test_llama3_presets_have_llama3s_parameters(plan):
