@@ -509,11 +509,13 @@ def gpt_layouts(stage: str, world: int) -> list[tuple[tuple[str, ...], int]]:
         pp = 2 if world % 2 == 0 else 3
         found += [((*FSDP, "--pp", str(pp), "--pp-schedule", schedule), pp) for schedule in ("gpipe", "1f1b")]
         if world == 4:
-            found += [((*FSDP, "--pp", "2", "--tp", "2", "--sp"), 2),
-                      ((*FSDP, "--pp", "2", "--stages-per-rank", "2", "--pp-schedule", "interleaved1f1b"), 4)]
+            found += [((*FSDP, "--pp", "2", "--tp", "2", "--sp"), 2)]
+            found += [((*FSDP, "--pp", "2", "--stages-per-rank", "2", "--pp-schedule", schedule), 4)
+                      for schedule in ("interleaved1f1b", "interleavedzb", "zbv")]  # (dualpipev: 4 micro-batches)
     if stage == "14_experts":
         found += [((*FSDP, "--ep", str(ep)), 2) for ep in (2, 4) if world % ep == 0]
-        found += [((*FSDP, "--tp", "2", "--sp", "--ep", "2"), 2)] if world == 4 else []
+        found += [((*FSDP, "--tp", "2", "--sp", "--ep", "2"), 2), ((*FSDP, "--pp", "2", "--ep", "2"), 2)] \
+            if world == 4 else []
     return found
 
 
@@ -527,8 +529,10 @@ def gpt_full() -> list[GptRow]:
             for n, (flags, layers) in enumerate(gpt_layouts(stage, world)):
                 for i, (ac, accumulate) in enumerate(itertools.product(("none", "full", "selective"), (1, 3))):
                     pp = int(flags[flags.index("--pp") + 1]) if "--pp" in flags else 1
-                    if pp > 1 and accumulate < pp and "gpipe" not in flags:
-                        continue  # refused (GPT_REFUSED has it): 1F1B needs a micro-batch per stage
+                    schedule = flags[flags.index("--pp-schedule") + 1] if "--pp-schedule" in flags else "1f1b"
+                    if pp > 1 and ((schedule == "1f1b" and accumulate < pp) or  # refused (GPT_REFUSED has it)
+                                   (schedule in ("interleavedzb", "zbv") and ac == "selective")):  # refused
+                        continue  # (a zero-bubble schedule's two backwards over a selective checkpoint)
                     row = GptRow(stage, world, (*flags, *(("--ac", ac) * (ac != "none"))), 1, accumulate,
                                  *GPT_SEED_LR[(n + i) % 2], layers=layers)  # each layout at both
                     total = 12 if 12 % (row.dp * accumulate) == 0 else 36
