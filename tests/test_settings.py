@@ -29,20 +29,22 @@ layout allows, every layout, resuming both ways (1,143 launches: 2 to 3 hours on
 
 The GPT stages (11-14) keep another promise, and have their own rows (GptRow, test_gpt_setting): at any layout a run
 computes the one-process training of its stage, with the same seed, global batch and schedule (stage 14 also the same
-micro-batches: its balancing loss is of each micro-batch's load), within sqrt(eps) of float64 step by step (the
-states, every step's loss and gradient norm: test_gpt.gaps), and scores the held-out text, samples and saves as one
-process does; or it refuses in one line naming the flag, exit 2 (checked in this process through main(), as
-test_gpt.refusal does: no launch). Tiny runs (2 blocks, width 32, context 24, 3 steps) on harness.small_corpus. In CI,
-six layouts the GPT tests never launch, all at a global batch of 12 so that they share two one-process references
-(stage 11's GPT, stage 14's experts): 8 launches. DDP over 3 ranks with --ac full; dp 2 x tp 2 --sp --ac selective;
-HSDP (replicate 2 x shard 2); stage 12's cp 2 x tp 2 --sp --ac full; 13's dp 2 x pp 2 (1F1B) --ac selective; 14's
-dp 2 x tp 2 --sp --ep 2 --ac full; all but the first over 3 micro-batches. And ten refusals (tp or cp not dividing W
-or the heads, R not dividing dp, --replicate with DDP, an unknown --ac, 1F1B with fewer micro-batches than stages,
-fewer blocks than stages, ep not dividing the dp ranks or the experts). `--sweep=full`: every GPT stage x its layouts
-(gpt_layouts: DDP, FSDP2, HSDP with shard 1 too, tp with and without --sp, cp 2-4 ring, all-gather and contiguous, pp
-2-3 GPipe, 1F1B and interleaved, ep 2 and 4) at W = 1, 3, 4 x --ac none, full, selective x 1 or 3 micro-batches,
-the two seeds and rates taking turns, and a row of stage 14 that trains otherwise by design (--balance rank: said
-before training, and its states differ): 370 rows and 13 references, 383 launches.
+micro-batches: its balancing loss is of each micro-batch's load), within sqrt(eps) of float64 step by step (the states,
+every step's loss and gradient norm: test_gpt.gaps), and scores the held-out text, samples and saves as one process
+does; or it refuses in one line naming the flag, exit 2 (checked in this process through main(), as test_gpt.refusal
+does: no launch). Tiny runs (2 blocks, width 32, context 24, 3 steps) on harness.small_corpus. In CI, six layouts the
+GPT tests never launch, all at a global batch of 12 so that they share two one-process references (stage 11's GPT, stage
+14's experts): 8 launches, 38 s (the module 103 s, 2026-11-30, 2 cores shared). DDP over 3 ranks with --ac full; dp 2 x
+tp 2 --sp --ac selective; HSDP (replicate 2 x shard 2); stage 12's cp 2 x tp 2 --sp --ac full; 13's dp 2 x pp 2 (1F1B)
+--ac selective; 14's dp 2 x tp 2 --sp --ep 2 --ac full; all but the first over 3 micro-batches. And ten refusals (tp or
+cp not dividing W or the heads, R not dividing dp, --replicate with DDP, an unknown --ac, 1F1B with fewer micro-batches
+than stages, fewer blocks than stages, ep not dividing the dp ranks or the experts). `--sweep=full`: every GPT stage x
+its layouts (gpt_layouts: DDP, FSDP2, HSDP with shard 1 too, tp with and without --sp, cp 2-4 ring, all-gather and
+contiguous, pp 2-3 GPipe and 1F1B, interleaved 1F1B, interleaved zero-bubble and ZB-V, ep 2 and 4, beside tp and pp) at
+W = 1, 3, 4 x --ac none, full, selective x 1 or 3 micro-batches (less what the stages refuse), the two seeds and rates
+taking turns, and a row of stage 14 that trains otherwise by design (--balance rank: said before training, and its
+states differ): 384 launched rows and 14 references, 398 launches; 149 of the rows run (2026-11-30, all passing) took
+4-10 s a launch on 2 cores shared with another session, so the grid about an hour.
 """
 from __future__ import annotations
 
