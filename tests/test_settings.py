@@ -43,7 +43,7 @@ its layouts (gpt_layouts: DDP, FSDP2, HSDP with shard 1 too, tp with and without
 contiguous, pp 2-3 GPipe and 1F1B, interleaved 1F1B, interleaved zero-bubble and ZB-V, ep 2 and 4, beside tp and pp) at
 W = 1, 3, 4 x --ac none, full, selective x 1 or 3 micro-batches (less what the stages refuse), the two seeds and rates
 taking turns, and a row of stage 14 that trains otherwise by design (--balance rank: said before training, and its
-states differ): 384 launched rows and 14 references, 398 launches; 149 of the rows run (2026-11-30, all passing) took
+states differ): 384 launched rows and 14 references, 398 launches; 223 of the rows run (2026-11-30, all passing) took
 4-10 s a launch on 2 cores shared with another session, so the grid about an hour.
 """
 from __future__ import annotations
