@@ -81,7 +81,8 @@ LAST = ("test_notebooks.py", "test_readme_commands.py")
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--sweep", choices=("covering", "full"), default="covering",
-                     help="tests/test_settings.py: the covering table (CI) or the full grid (1,030 launches, 2-3 h)")
+                     help="tests/test_settings.py: the covering table (CI) or the full grid (1,143 launches, 2-3 h; "
+                          "the GPT rows 398 more, an hour)")
     parser.addoption("--cpu-profile", action="store_true",
                      help="print the CPU-seconds of every test module and of the background (tests/cpu_profile.py)")
 
