@@ -202,7 +202,7 @@ def layouts(m: Model, gpus: int, gpus_per_node: int, sequences: int, fixed: dict
                                 if costs.unmodelled_ac(m, ac, cp) is not None or (sp and (
                                         tp == 1 or m.context % (cp * tp))):
                                     continue  # (--sp: the stages' check, tp dividing each cp share)
-                                for schedule, v in pipeline_schedules(m.layers, pp, acc):
+                                for schedule, v in pipeline_schedules(m.layers, pp, acc, fixed.get("stages_per_rank")):
                                     lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, parallel=parallel, micro_batch=mb,
                                                  accumulate=acc, schedule=schedule, stages_per_rank=v, ac=ac, sp=sp,
                                                  precision="bf16", replicate=replicate)
@@ -211,14 +211,15 @@ def layouts(m: Model, gpus: int, gpus_per_node: int, sequences: int, fixed: dict
     return out
 
 
-def pipeline_schedules(layers: int, pp: int, acc: int) -> list[tuple[str, int]]:
+def pipeline_schedules(layers: int, pp: int, acc: int, asked: int | None = None) -> list[tuple[str, int]]:
     """The schedules (and stages a rank) a pipeline of pp ranks and acc micro-batches is weighed with: 1F1B, and
-    interleaved 1F1B at v = 2, 4 and the most the blocks allow (a block a stage, or nearly), where the stages' checks
-    let it run (13_pipeline_4d/checks.py: pp x v stages at most the blocks; the micro-batches in equal rounds)."""
+    interleaved 1F1B at v = 2, 4, the most the blocks allow (a block a stage, or nearly) and the v asked for
+    (--stages-per-rank), where the stages' checks let it run (13_pipeline_4d/checks.py: pp x v stages at most the
+    blocks; the micro-batches in equal rounds)."""
     if pp == 1:
         return [("1f1b", 1)]
     rounds = max(1, acc // pp)
-    return [("1f1b", 1)] + [("interleaved1f1b", v) for v in sorted({2, 4, layers // pp})
+    return [("1f1b", 1)] + [("interleaved1f1b", v) for v in sorted({2, 4, layers // pp, asked or 1})
                             if v > 1 and pp * v <= layers and acc % rounds == 0]
 
 
@@ -416,7 +417,11 @@ def main(argv: list[str] | None = None) -> None:
           f"({args.global_batch_tokens // m.context:,} sequences)")
     print(f"{len(preds):,} layouts considered, {len(fit):,} fit in {gpu.memory_bytes / 1e9:,.0f} GB")
     if not preds:
-        print("no layout: the GPUs do not divide into the degrees the model allows (see --help)")
+        asked = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in args.fixed.items() if k != "sp") + \
+            (f" --sp {args.sp}" if "sp" in args.fixed else "")
+        # (with flags fixed, theirs is the likelier cause: say them, so the reader knows which to loosen)
+        print("no layout: the GPUs do not divide into the degrees the model allows"
+              + (f" with {asked} (one at a time, left out, shows which)" if asked else "") + " (see --help)")
     elif not fit:
         best = min(preds, key=lambda p: p.memory["total"])
         print(f"none fits: the least memory is {best.memory['total'] / 1e9:,.1f} GB a GPU "

@@ -284,6 +284,15 @@ def test_llama3_presets_have_llama3s_parameters(plan):
     assert counts == {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3-405b": 405_853_388_800}
 
 
+def test_the_stages_per_rank_asked_for_is_weighed(plan):
+    """plan.py weighs interleaving at v = 2, 4 and a block a stage; a v asked for (--stages-per-rank) is weighed too,
+    where the stages can run it: llama3-8b's 32 blocks on pp 4 at v = 3 (12 stages, uneven), not at v = 9 (36)."""
+    m = plan.costs.PRESETS["llama3-8b"]
+    for v, weighed in ((3, True), (9, False)):
+        found = plan.layouts(m, 8, 8, 128, {"pp": 4, "stages_per_rank": v})
+        assert bool(found) == weighed and all(lay.schedule == "interleaved1f1b" for lay in found), (v, len(found))
+
+
 def published(plan, run, **fixed):
     m = dataclasses.replace(plan.costs.PRESETS["llama3-405b"], context=run.sequence)
     return plan.plan(m, run.gpus, plan.hardware.GPUS["h100"], 8, run.tokens_per_batch,
