@@ -107,8 +107,9 @@ EP_FAULT = Step(EP_STAGE, "torchrun", (*GPT_FAULT.args, "--ep", "2"), nproc=2)
 GPT_FAULTS[EP_STAGE] = EP_FAULT  # (killed only: its stalls are a collective's, as 11's)
 GPT_FAULT_AFTER = {"after": "| train loss", "longer": ()}  # signalled() after its first step's line
 TIMEOUT = 5  # --timeout in the stall cases: how long the healthy ranks wait for the stalled one
-# 13-stalled-stage's: --timeout also bounds the start-up's store waits, and the (pp, dp x cp, tp) grid's groups once
-# took longer than 5 s to make under CI's load (1 of 3 runs).
+# The GPT stages' (11-, 12-stalled-rank, 13-stalled-stage): --timeout also bounds the start-up's store waits, and the
+# (pp, dp x cp, tp) grid's groups once took longer than 5 s to make under CI's load (13: 1 of 3 runs; 11: its ranks
+# joined more than 5 s apart, DistStoreError in init_process_group, 1 of ~10 runs).
 PP_TIMEOUT = 20
 RENDEZVOUS_TIMEOUT = 10  # how long the lone node's agent waits for the other node
 # The margin, in start-ups of a trivial launch (PROBE) timed among the cases, the slowest of them: what a case does
@@ -747,7 +748,8 @@ def cases() -> list[Case]:
         stall = replace(CONFIGS["05"], nproc=2) if stage == "05_multinode" else GPT_FAULTS.get(stage) \
             or (replace(CONFIGS["10"], nproc=4) if stage == "10_pipeline_parallel" else None)
         out.append(stalled(f"{stage[:2]}-stalled-rank", stage, "SIGSTOP to rank 1 after its first log line", stall,
-                           TIMEOUT, **(GPT_FAULT_AFTER if stage in GPT_FAULTS else {})))
+                           PP_TIMEOUT if stage in GPT_FAULTS else TIMEOUT,
+                           **(GPT_FAULT_AFTER if stage in GPT_FAULTS else {})))
     out += [Case("05-node-never-joins-static", "05_multinode", "node 0 of 2 started alone (static)", None,
                  RENDEZVOUS_TIMEOUT, "1/2 clients joined", lone_node("static"), at_least=RENDEZVOUS_TIMEOUT),
             Case("05-node-never-joins-c10d", "05_multinode", "node 0 of 2 started alone (c10d)", None,
