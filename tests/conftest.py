@@ -13,7 +13,9 @@ the background, from the start: the tour, then every other README command (test_
 then the notebooks (test_notebooks checks them); beside them, the container image's build, which mostly waits
 (tests/containers.py). In the foreground: first the modules that read no runs (BEFORE_THE_TOUR_ENDS, the fault
 battery among them: its bounds are measured under the load it meets), then the others (the first test that needs
-a run waits for the whole tour), and last (LAST) those that wait for the README commands or the notebooks.
+a run waits for the whole tour), then the at-scale modules (LATE: their simulations have run since the start in a
+worker of the lowest priority, harness.Early, in the idle time the rest leaves), and last (LAST) those that wait for
+the README commands or the notebooks.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from containers import build_image, engine_env, engine_missing, remove_everything
-from harness import Run, Step, check, forkrun_server, load_run, plan
+from harness import Early, Run, Step, check, forkrun_server, load_run, plan
 from notebook_runs import PROCESS_VARS, kernel_env, run_all
 from readme_blocks import (
     BLOCKS,
@@ -77,6 +79,9 @@ BEFORE_THE_TOUR_ENDS = ("test_faults.py", "test_benchmarks.py", "test_collective
 # Run last: they wait for the background's notebooks, and for the README commands (so do the tests marked
 # readme_run: they run with the README test). The modules in between, mostly one job at a time, run beside those.
 LAST = ("test_notebooks.py", "test_readme_commands.py")
+# Run just before LAST: their simulations run from the start as EARLY_JOBS (harness.Early), in the idle time the
+# session leaves; the later they are asked for, the more of it there has been.
+LATE = ("test_at_scale.py", "test_at_scale_plan.py")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -98,8 +103,31 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def phase(item: pytest.Item) -> int:
         name = "test_readme_commands.py" if item.get_closest_marker("readme_run") else item.path.name
-        return 0 if name in BEFORE_THE_TOUR_ENDS else 2 + LAST.index(name) if name in LAST else 1
+        return 0 if name in BEFORE_THE_TOUR_ENDS else 3 + LAST.index(name) if name in LAST else 2 if name in LATE \
+            else 1
     items.sort(key=phase)  # stable: otherwise in collected order
+
+
+# Test modules whose EARLY_JOBS run from the start (harness.Early), by module name: those of a selected test that asks
+# for their results (the early_results fixture).
+EARLY: dict[str, Early] = {}
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    for item in session.items if not session.config.option.collectonly else ():
+        if "early_results" in item.fixturenames and item.module.__name__ not in EARLY:
+            EARLY[item.module.__name__] = Early(item.module)
+
+
+def pytest_sessionfinish() -> None:
+    for early in EARLY.values():
+        early.close()
+
+
+@pytest.fixture(scope="module")
+def early_results(request: pytest.FixtureRequest) -> list:
+    """The results of this module's EARLY_JOBS, in their order."""
+    return EARLY[request.module.__name__].results()
 
 
 def needs_tour(item: pytest.Item) -> bool:

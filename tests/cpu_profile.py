@@ -5,7 +5,8 @@ samples /proc four times a second and gives every process the session starts to 
 the background (the tour, the README blocks, the container build). A process is counted at the largest CPU time seen
 for it, so one that lives less than a sample's interval (0.25 s) is missed: a lower bound, close for this suite,
 whose processes import torch (2 s or more). The pytest process's own CPU goes to the module running at the time. At
-the end it prints CPU-seconds by owner; with CPU_PROFILE_OUT=FILE it also writes every process's line as JSON.
+the end it prints CPU-seconds by owner; with CPU_PROFILE_OUT=FILE it also writes every process's line as JSON, with
+when it was first and last seen (seconds into the session) and when each module began: what ran beside what.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ class Profile:
         self.procs: dict[tuple[int, int], dict] = {}  # (pid, start time): owner, command, CPU-seconds
         self.own: Counter[str] = Counter()  # the pytest process's CPU, by module
         self.stop = threading.Event()
+        self.start = time.monotonic()
+        self.modules: dict[str, float] = {}  # when each module's first test began (seconds into the session)
 
     def launched(self, tag: str, first_command: str) -> None:
         """Called as a job starts (from tour.clean_env, in the launching thread)."""
@@ -44,6 +47,7 @@ class Profile:
             self.jobs[tag] = self.owner
 
     def sample(self) -> None:
+        now = round(time.monotonic() - self.start, 2)
         stats = {}
         for entry in os.listdir("/proc"):
             if entry.isdigit():
@@ -68,8 +72,8 @@ class Profile:
                     leader = stats.get(ppid, (0,))[0] == os.getpid() and "forkrun.py --serve" in (parent or {}).get(
                         "command", "")
                     record = self.procs[(pid, started)] = {"owner": self.owner_of(pid, parent, leader), "cpu": cpu,
-                                                           "command": self.command(pid)}
-                record["cpu"] = max(record["cpu"], cpu)
+                                                           "command": self.command(pid), "first": now}
+                record["cpu"], record["last"] = max(record["cpu"], cpu), now  # (when: what overlapped what)
 
     def owner_of(self, pid: int, parent: dict | None, leader: bool = False) -> str:
         try:
@@ -124,6 +128,7 @@ def start(config: pytest.Config) -> None:
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     PROFILE.owner = item.path.name
+    PROFILE.modules.setdefault(item.path.name, round(time.monotonic() - PROFILE.start, 2))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -142,4 +147,5 @@ def pytest_terminal_summary(terminalreporter) -> None:
     write(f"{sum(PROFILE.own.values()):9.0f}  the pytest process itself")
     write(f"{total:9.0f}  in all")
     if out := os.environ.get("CPU_PROFILE_OUT"):
-        Path(out).write_text(json.dumps({"processes": list(PROFILE.procs.values()), "pytest": dict(PROFILE.own)}))
+        Path(out).write_text(json.dumps({"processes": list(PROFILE.procs.values()), "pytest": dict(PROFILE.own),
+                                          "modules": PROFILE.modules}))

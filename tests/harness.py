@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
@@ -309,6 +310,37 @@ def forked_ranks(module: str, worker: str, world: int, out: Path, timeout: float
     check(launch_commands([[sys.executable, "-c", code]], out,
                           timeout=time_limit(programs=1 + world) if timeout is None else timeout))
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+class Early:
+    """A test module's EARLY_JOBS, started as the session starts (conftest.py): `module.early_job(job)` for each, in
+    one worker process of their own at the lowest priority, so that it takes a core only when nothing else wants it
+    (the session leaves the cores idle a tenth of its time, mostly in its second half). Same code, same results as in
+    this process; results() waits for them, at the others' priority by then."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self.module, self.jobs = module, list(module.EARLY_JOBS)
+        # spawn, not fork: this process has threads (the background's); nice 19: idle time only, until wanted
+        self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=os.nice,
+                                        initargs=(19,))
+        self.pid: Future[int] = self.pool.submit(os.getpid)
+        self.futures = [self.pool.submit(module.early_job, job) for job in self.jobs]
+
+    def results(self) -> list:
+        if not all(f.done() for f in self.futures):
+            try:  # wanted now: the worker at the others' priority (raising one takes root)
+                os.setpriority(os.PRIO_PROCESS, self.pid.result(), 0)
+            except PermissionError:  # else the jobs not begun run here
+                return [f.result() if not f.cancel() else self.module.early_job(job)
+                        for f, job in zip(self.futures, self.jobs, strict=True)]
+        return [f.result() for f in self.futures]
+
+    def close(self) -> None:
+        """At the session's end: a job still running (its tests deselected by a failure, -x) is stopped."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if not all(f.done() for f in self.futures):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid.result(), signal.SIGKILL)
 
 
 @contextlib.contextmanager

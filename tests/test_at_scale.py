@@ -17,10 +17,12 @@ activations a block a micro-batch (TP_PLAN: two forward, four backward), the res
 experts.py's all-to-alls carry each rank's share of an even load; interleaving sends across every boundary of the
 2 pp stages of a rank.
 
-The real jobs are one forked launch per layout (tests/harness.py forked_ranks); the simulations run in-process.
+The real jobs are one forked launch per layout (tests/harness.py forked_ranks); the simulations run in one process of
+their own from the session's start (harness.Early), at the lowest priority until a test wants them.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -104,20 +106,25 @@ def real(tmp_path_factory):
     return of
 
 
-@pytest.fixture(scope="module")
-def sims(simulate, tmp_path_factory):
-    """Each rank's simulation of a layout, simulated once, on first use."""
-    done: dict[tuple[str, int], dict] = {}
-
-    def of(layout: str, rank: int) -> dict:
-        if (layout, rank) not in done:
-            done[layout, rank] = simulated(simulate, layout, rank, tmp_path_factory.mktemp(layout))
-        return done[layout, rank]
-    return of
-
-
-def simulated(simulate, layout: str, rank: int, tmp: Path) -> dict:
+def simulated(simulate, layout: str, rank: int, tmp: Path | None = None) -> dict:
     return simulate.measure(simulate.parse_args([*MODEL, *LAYOUTS[layout], "--rank", str(rank)], scratch=tmp))
+
+
+@functools.cache
+def simulate_copy():
+    return load_copy(SIMULATE)
+
+
+def early_job(job: tuple[str, int]) -> dict:
+    """A layout's rank, simulated (in the session's early worker: conftest.py, harness.Early)."""
+    return simulated(simulate_copy(), *job)
+
+
+@pytest.fixture(scope="module")
+def sims(early_results):
+    """Each rank's simulation of a layout (EARLY_JOBS, below), simulated once, from the session's start."""
+    done = dict(zip(EARLY_JOBS, early_results, strict=True))
+    return lambda layout, rank: done[layout, rank]
 
 
 def differences(sim: dict, real: dict) -> list[str]:
@@ -136,6 +143,9 @@ def differences(sim: dict, real: dict) -> list[str]:
 # tp alone is simulated (test_tensor_parallel_all_reduces_six_activations_a_block), its real job left to pp_cp_tp's,
 # whose ranks split every block over tp 2 as well: one launch fewer (the suite's time).
 REAL = [layout for layout in LAYOUTS if layout != "tp"]
+# The ranks simulated: those compared with a real job, every rank of the experts' (test_the_router_load), tp's first
+EARLY_JOBS = [(layout, rank) for layout in REAL for rank in (range(world_of(layout)) if layout == "ep"
+                                                               else checked_ranks(layout))] + [("tp", 0)]
 
 
 @pytest.mark.parametrize("layout", REAL)
@@ -172,11 +182,11 @@ def step_flops(sim: dict, tp: int = 1, expert_rows: int = 0) -> int:
     return 6 * matmul_weights * tokens + attention + experts
 
 
-def test_ddp_hands_over_every_gradient_once_and_holds_16_bytes_a_weight(simulate, tmp_path):
+def test_ddp_hands_over_every_gradient_once_and_holds_16_bytes_a_weight(simulate, sims):
     """Independent of the simulation: at W = 2 a ring all-reduce sends 2 (W - 1) / W = 1 times the gradients' bytes,
     and a DDP rank holds the weights, their gradients and AdamW's two moments, 4 bytes each a weight (float32), plus
     AdamW's step counter for every parameter tensor (a float32 scalar); its FLOPs are the model's (step_flops)."""
-    sim = simulated(simulate, "ddp", 0, tmp_path)
+    sim = sims("ddp", 0)
     weights, tensors = sim["parameters"], len(simulate.stage().GPT(simulate.stage().Config(**sim["model"]))
                                                    .state_dict())
     assert sim["sent_bytes_by_dimension"] == {"dp_cp": 4 * weights}, sim["sent"]
@@ -185,12 +195,12 @@ def test_ddp_hands_over_every_gradient_once_and_holds_16_bytes_a_weight(simulate
     assert sim["flops"] == step_flops(sim)
 
 
-def test_tensor_parallel_all_reduces_six_activations_a_block(simulate, tmp_path):
+def test_tensor_parallel_all_reduces_six_activations_a_block(simulate, sims):
     """TP_PLAN (13_pipeline_4d/parallelize.py): per block and micro-batch, two all-reduces forward and four backward,
     each of an activation [micro-batch, context, width] in float32; at tp = 2 a ring sends its bytes once. One more
     all-reduce over tp, the gradient norm's: a float32 square norm for each weight and bias the plan splits. And the
     rank computes its share of the blocks: its FLOPs are of its pieces, not of the whole tensors."""
-    sim = simulated(simulate, "tp", 0, tmp_path)
+    sim = sims("tp", 0)
     m, split = sim["model"], len(simulate.stage().parallelize.__globals__["TP_PLAN"]) * 2  # a weight and a bias each
     (row,) = [r for r in sim["sent"] if r["dimension"] == "tp"]
     activations = 6 * m["layers"] * sim["accumulate"]
