@@ -474,13 +474,16 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
     peak += max(rebuilt + stacked, last_terms) if lay.ac == "full" else rebuilt + max(stacked, last_terms)
     if lay.parallel == "fsdp" and s > 1:
         g = BYTES[gathered]
-        unit_elems = full - blocks * own_elems  # what FSDP2 gathers: not a rank's own experts (under --ep, its own)
+        # what FSDP2 gathers, and holds whole gradients of: not a rank's own experts (under --ep, its own, plain
+        # tensors whose gradients are state: counted there)
+        unit_elems = full - blocks * own_elems
         # The peak is at the start of the backward: the root gathered (kept from forward to backward), the block at
         # work and the next (prefetched), and every unit's whole gradient while they accumulate (over micro-batches
         # or the pipeline's), else the one block's being reduce-scattered. Or, with little activation, at the
         # root's all-gather: its buffer and the gathered copy, two roots' worth.
         # (a unit's reduce-scatter takes s shards, padded as gathered_now: beside whole gradients, the padding)
-        grads_whole = (full + s * block_shard - block_elems) * f4 if acc > 1 or lay.pp > 1 else s * block_shard * f4
+        grads_whole = (unit_elems + s * block_shard - block_elems) * f4 if acc > 1 or lay.pp > 1 else \
+            s * block_shard * f4
         # Or, on a pipeline's first stage, at the end of a micro-batch's backward: the embeddings' backward makes a
         # dense gradient of each whole table before adding it in. The stage's weights are all gathered by then (kept
         # so from the first backward on), and its whole gradients too, the embeddings' from the second backward on;
@@ -488,10 +491,11 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         at_table = 0
         if first and lay.pp > 1:
             table = (m.vocab // (lay.tp if m.vocab_over_tp else 1) + m.context * m.learned_positions) * m.width * f4
-            others = [(in_flight - 1, full - root_elems)] + ([(min(in_flight, acc - 1) - 1, full)] if acc > 1 else [])
+            others = [(in_flight - 1, unit_elems - root_elems)] + \
+                ([(min(in_flight, acc - 1) - 1, unit_elems)] if acc > 1 else [])
             if len(chunks) > 1:  # (interleaved: the first stage's backwards come while the warm-up's forwards of the
                 # others are still held, its tables' gradients whole from its first backward on)
-                others = [(in_flight - 1, full)]
+                others = [(in_flight - 1, unit_elems)]
             at_table = max(held(n) * saved_block + grads * f4 for n, grads in others) + unit_elems * g + table + \
                 stream * act
         # (a unit's all-gather fills s shards, padded: where s does not divide a tensor's rows, more than the
@@ -502,24 +506,23 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
             # the gradients whole by then, with the micro-batches still in flight (as many, once the step has more
             # micro-batches than the pipeline holds; one fewer where it has just as many)
             firsts = [(in_flight, (block_elems + last * root_elems) * f4)] + \
-                ([(min(in_flight, acc - 1), full * f4)] if acc > 1 else [])
+                ([(min(in_flight, acc - 1), unit_elems * f4)] if acc > 1 else [])
             at_blocks = max(peak - (held(in_flight) - held(n)) * saved_block + grads for n, grads in firsts)
         else:
             at_blocks = peak + grads_whole
         # Interleaved, a rank's stages take turns: a stage's forwards run while its others, after their first
         # backward, keep their weights gathered and their gradients whole. Counted at the worst: the most the rank
         # holds of activations and sends (interleaved_peak) beside all of its stages' weights and gradients whole.
-        interleaved = peak + full * f4 + unit_elems * g if len(chunks) > 1 else 0
+        interleaved = peak + unit_elems * (f4 + g) if len(chunks) > 1 else 0
         # Or, without a pipeline, as the backward ends: the root gathered, its whole gradient made (the embeddings'
-        # last) beside the gradient arriving, every unit's whole gradient if they accumulate, and a rank's own
-        # experts' (under --ep: left out of FSDP2, made whole in the step; the simulation counts them here too)
-        at_end = root_elems * g + stream * act + (full if acc > 1 else root_elems + blocks * own_elems) * f4 \
-            if lay.pp == 1 else 0
+        # last) beside the gradient arriving, and every unit's whole gradient if they accumulate
+        at_end = root_elems * g + stream * act + (unit_elems if acc > 1 else root_elems) * f4 if lay.pp == 1 else 0
         peak = max(at_blocks + gathered_now, at_table, interleaved, at_end,
-                   2 * root_elems * g + (full * f4 if acc > 1 and lay.pp == 1 else 0))
+                   2 * root_elems * g + (unit_elems * f4 if acc > 1 and lay.pp == 1 else 0))
         if lay.sp and last:  # (at the loss: the root gathered, no block; the gradients accumulating, if they do)
             # (interleaved: the rank's other stages, after their first backward, kept gathered: all of it)
-            at_loss += (unit_elems if len(chunks) > 1 else root_elems) * g + (full * f4 if acc > 1 or lay.pp > 1 else 0)
+            at_loss += (unit_elems if len(chunks) > 1 else root_elems) * g + \
+                (unit_elems * f4 if acc > 1 or lay.pp > 1 else 0)
     if lay.sp and last:
         peak = max(peak, at_loss)
     # ── FLOPs ── (FlopCounterMode's: a matmul 2mnk forward, twice that backward; attention the whole score matrix)

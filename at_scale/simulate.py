@@ -484,7 +484,7 @@ def memory_tracker(model, optimizer):
     it tells FSDP2's shards, its gathered weights and its communication buffers apart; else MemTracker), keeping also
     the most bytes held at once beyond the training state (transient_peak), with what was held then (at_peak)."""
     from torch import nn
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
@@ -504,11 +504,20 @@ def memory_tracker(model, optimizer):
                 if id(module) in called:
                     self.memory_tracking.pop(module, None)
             self.forget = register_module_forward_pre_hook(forget)
+            self.own = [p.register_post_accumulate_grad_hook(self.gradient) for p in unmanaged(parts)] if fsdp else []
             return super().__enter__()
 
         def __exit__(self, *exc):
             super().__exit__(*exc)
             self.forget.remove()
+            for hook in self.own:
+                hook.remove()
+
+        def gradient(self, param) -> None:
+            # FSDPMemTracker knows FSDP2's gradients only: a parameter FSDP2 leaves alone (stage 14's own experts
+            # under --ep) has its .grad made in backward and counted as "Temp" while the step holds it, though it is
+            # training state (state_of counts it): labelled as FSDP2's gradients are, it is not counted twice.
+            self._update_and_maybe_create_winfos(param.grad, _FSDPRefType.SHARDED_GRAD)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if not any(issubclass(t, DTensor) for t in types) and not self.seen(written_or_viewed(func, args, kwargs)):
@@ -541,6 +550,16 @@ def memory_tracker(model, optimizer):
         tracker.track_external(model, optimizer)
     tracker.transient_peak, tracker.at_peak = 0, {}
     return tracker
+
+
+def unmanaged(parts: list) -> list:
+    """The parameters of an FSDP2 model's `parts` that FSDP2 does not manage (its ignored_params: stage 14's own
+    experts under --ep), plain tensors of the rank's own."""
+    from torch.distributed.fsdp import FSDPModule
+    managed = {id(fsdp_param.sharded_param) for part in parts for module in part.modules()
+               if isinstance(module, FSDPModule) and (group := module._get_fsdp_state()._fsdp_param_group)
+               for fsdp_param in group.fsdp_params}
+    return [p for part in parts for p in part.parameters() if id(p) not in managed]
 
 
 def written_or_viewed(func, args: tuple, kwargs: dict | None) -> list:

@@ -293,6 +293,29 @@ def test_a_wrong_formula_is_seen(plan, simulated, monkeypatch):
     assert any("('all_reduce', 'tp')" in d for d in found), found
 
 
+def test_a_ranks_own_experts_gradients_are_state_not_activation(simulated):
+    """Under FSDP2 with --ep a rank's own experts are left out of FSDP2 (plain parameters); their gradients are
+    training state (state_of counts them), so the activation peak must not count them again. Where the gradients
+    accumulate (micro-batches, a pipeline's), they are whole through the busiest moment: the tracker holds them
+    there as gradients, every byte of them (E / ep experts a block, each 2 ffn x width + ffn + width float32; counted
+    from the shape, not from costs.py), so none of them is in the peak beyond the state."""
+    checked = 0
+    for (shape, layout, _), m in zip(LAYOUTS, simulated, strict=True):
+        if len(shape) == 5 or layout.get("ep", 1) == 1 or layout.get("parallel") != "fsdp" or \
+                layout.get("accumulate", 1) == 1 and layout.get("pp", 1) == 1:
+            continue
+        layers, width, _, _, _, experts, _ = shape
+        pp = layout.get("pp", 1)
+        assert layers % pp == 0 and "stages_per_rank" not in layout, layout  # (the rank's blocks: layers / pp)
+        ffn = 4 * width
+        own = layers // pp * experts // layout["ep"] * (2 * ffn * width + ffn + width) * 4
+        held = m["at_activation_peak"].get("Sharded Grad", 0)
+        assert held >= own, (layout, f"{held / MiB:,.1f} MiB of gradients held as state at the peak, the rank's own "
+                                     f"experts' alone are {own / MiB:,.1f} MiB")
+        checked += 1
+    assert checked >= 3
+
+
 def test_llama3_presets_have_llama3s_parameters(plan):
     counts = {name: plan.costs.parameters(m) for name, m in plan.costs.PRESETS.items()}
     assert counts == {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3-405b": 405_853_388_800}
