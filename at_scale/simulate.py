@@ -162,6 +162,12 @@ def stage(name: str = STAGE) -> ModuleType:
     return load_stage(name)
 
 
+def experts_of(s: ModuleType):
+    """Stage 14's expert_params (experts.py, as its train.py imported it): its expert weights by name, what FSDP2
+    leaves out under --ep."""
+    return sys.modules[s.ExpertParallel.__module__].expert_params
+
+
 def pipeline(name: str = STAGE) -> ModuleType:
     """A stage's pipeline.py, as its train.py imported it: the schedules' names, held_at_most."""
     return sys.modules[stage(name).Pipeline.__module__]
@@ -479,10 +485,12 @@ def local_ops_only() -> Iterator[None]:
 STATE_KINDS = {"Parameter", "Buffer", "Gradient", "Optstate", "Sharded Param", "Sharded Grad", "OptState"}
 
 
-def memory_tracker(model, optimizer):
+def memory_tracker(model, optimizer, left_out: list | tuple = ()):
     """torch's memory tracker for `model` (FSDPMemTracker for an FSDP2 model, all its stages' under --stages-per-rank:
     it tells FSDP2's shards, its gathered weights and its communication buffers apart; else MemTracker), keeping also
-    the most bytes held at once beyond the training state (transient_peak), with what was held then (at_peak)."""
+    the most bytes held at once beyond the training state (transient_peak), with what was held then (at_peak).
+    left_out: the parameters of an FSDP2 model that FSDP2 leaves alone (its ignored_params), whose gradients are state
+    too."""
     from torch import nn
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -504,7 +512,7 @@ def memory_tracker(model, optimizer):
                 if id(module) in called:
                     self.memory_tracking.pop(module, None)
             self.forget = register_module_forward_pre_hook(forget)
-            self.own = [p.register_post_accumulate_grad_hook(self.gradient) for p in unmanaged(parts)] if fsdp else []
+            self.own = [p.register_post_accumulate_grad_hook(self.gradient) for p in left_out]
             return super().__enter__()
 
         def __exit__(self, *exc):
@@ -550,16 +558,6 @@ def memory_tracker(model, optimizer):
         tracker.track_external(model, optimizer)
     tracker.transient_peak, tracker.at_peak = 0, {}
     return tracker
-
-
-def unmanaged(parts: list) -> list:
-    """The parameters of an FSDP2 model's `parts` that FSDP2 does not manage (its ignored_params: stage 14's own
-    experts under --ep), plain tensors of the rank's own."""
-    from torch.distributed.fsdp import FSDPModule
-    managed = {id(fsdp_param.sharded_param) for part in parts for module in part.modules()
-               if isinstance(module, FSDPModule) and (group := module._get_fsdp_state()._fsdp_param_group)
-               for fsdp_param in group.fsdp_params}
-    return [p for part in parts for p in part.parameters() if id(p) not in managed]
 
 
 def written_or_viewed(func, args: tuple, kwargs: dict | None) -> list:
@@ -666,7 +664,10 @@ def measured_step(args: argparse.Namespace, fake: bool, even: bool) -> dict:
             trainer.steps += 1
         state: dict[str, int] = {}
         counted = optimizer.register_step_post_hook(lambda opt, *_: state.update(state_of(model, opt)))
-        collectives, tracker = Collectives(grid), memory_tracker(model, optimizer)
+        # (stage 14 under --ep with FSDP2: a rank's own experts, which FSDP2 leaves alone, as the stage picks them)
+        left_out = [p for part in getattr(model, "parts", [model]) for p in experts_of(s)(part).values()] \
+            if moe and a.ep > 1 and a.parallel == "fsdp" else []
+        collectives, tracker = Collectives(grid), memory_tracker(model, optimizer, left_out)
         flops = FlopCounterMode(display=False, custom_mapping=cpu_attention_flops())
         # Its ModuleTracker hooks every module's outputs and keeps the hooks until it exits: under --ac, what a block
         # recomputes in backward would stay held to the end of the step (that graph is never run back), and the
