@@ -261,7 +261,8 @@ class Rank:
     optimizer: int
     activation_peak: int
     sent: dict[tuple[str, str], list]  # (kind, dimension) -> [calls, bytes sent]
-    flops: float  # of the model (what FlopCounterMode counts), recomputation not included
+    flops: float  # of the model (what FlopCounterMode counts; cp's ring: the whole matrix, ring_skipped_flops),
+    #               recomputation not included
     recompute_flops: float
 
     @property
@@ -525,7 +526,8 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
                 (unit_elems * f4 if acc > 1 or lay.pp > 1 else 0)
     if lay.sp and last:
         peak = max(peak, at_loss)
-    # ── FLOPs ── (FlopCounterMode's: a matmul 2mnk forward, twice that backward; attention the whole score matrix)
+    # ── FLOPs ── (FlopCounterMode's: a matmul 2mnk forward, twice that backward; attention the whole score matrix,
+    # 2.5 times that backward)
     flops = model_flops(m, lay, blocks, first, last)
     recompute = recomputed_flops(m, lay, blocks)
     return Rank(state_params, state_grads, optimizer, int(peak), sent, flops, recompute)
@@ -671,13 +673,15 @@ def recomputed_flops(m: Model, lay: Layout, blocks: int) -> float:
     if m.experts and lay.ep > 1:
         return blocks * (2 * tokens * sum(r * c for r, c, _ in block_tensors(m, lay.tp, lay.ep)[:3]) +
                          attention_flops(m, lay))
+    forward = flops_forward_blocks(m, lay, blocks) + blocks * attention_flops(m, lay)
     if m.experts:
-        return flops_forward_blocks(m, lay, blocks)
-    return flops_forward_blocks(m, lay, blocks) - blocks * 2 * tokens * m.width * m.ffn // lay.tp
+        return forward
+    return forward - blocks * 2 * tokens * m.width * m.ffn // lay.tp
 
 
 def flops_forward_blocks(m: Model, lay: Layout, blocks: int) -> float:
-    """Forward FLOPs of this rank's blocks in one step (every micro-batch)."""
+    """Forward FLOPs of this rank's blocks' matmuls with their weights in one step (every micro-batch); the attention
+    apart (attention_flops)."""
     tokens = lay.micro_batch * m.context // lay.cp * lay.accumulate
     w = m.width
     dense = 2 * tokens * sum(r * c for r, c, kind in block_tensors(m, lay.tp, 1)
@@ -686,19 +690,39 @@ def flops_forward_blocks(m: Model, lay: Layout, blocks: int) -> float:
         routed = tokens // (lay.tp if lay.sp else 1)
         dense += 2 * routed * w * m.experts  # the router
         dense += 2 * routed * m.top_k * 2 * w * m.ffn  # k experts a token
-    return blocks * (dense + attention_flops(m, lay))
+    return blocks * dense
 
 
 def attention_flops(m: Model, lay: Layout) -> float:
     """One block's attention forward in a step, q k^T and p v: the whole score matrix (as torch counts a fused
-    kernel), this rank's heads."""
+    kernel), this rank's heads; under cp its rows' share, as if the ring computed every pair (ring_skipped_flops)."""
     return 4 * lay.micro_batch * lay.accumulate * (m.heads // lay.tp) * (m.context // lay.cp) * m.context * \
         m.head_size
 
 
+def ring_skipped_flops(m: Model, lay: Layout, blocks: int) -> float:
+    """What the formulas count of cp's ring that it does not compute (so that cp weighs its attention as one fused
+    kernel is counted, the causal mask's hidden half too): context_parallel.py's RingAttention computes the visible
+    pairs of chunks alone, a rank's two chunks of t / (2 cp) queries seeing 2 cp + 1 key chunks of the 4 cp counted,
+    forward, backward and (--ac full) forward again. What FlopCounterMode counts of the step is the formulas' count
+    less this."""
+    if lay.cp == 1:
+        return 0.0
+    skipped = 1 - (2 * lay.cp + 1) / (4 * lay.cp)
+    return skipped * blocks * attention_flops(m, lay) * (1 + ATTENTION_BACKWARD + (lay.ac == "full"))
+
+
+# An attention's backward over its forward: it computes the scores again, then the gradients of the scores, of q, of k
+# and of v: 5 matmuls to the forward's 2 (torch's sdpa_backward_flop_count; the ring's backward the same, block by
+# block). A weight's matmul: 2, its input's gradient and its weight's.
+ATTENTION_BACKWARD, MATMUL_BACKWARD = 2.5, 2
+
+
 def model_flops(m: Model, lay: Layout, blocks: int, first: bool, last: bool) -> float:
-    """FLOPs of one step on this rank: forward and backward (twice the forward) of its blocks and head."""
+    """FLOPs of one step on this rank: forward and backward of its blocks and head (a weight's matmul's backward
+    twice its forward, the attention's 2.5 times)."""
     tokens = lay.micro_batch * m.context // lay.cp * lay.accumulate
     head = 2 * tokens * m.width * head_vocab(m, lay.tp, lay.sp) if last else 0
-    return 3 * (flops_forward_blocks(m, lay, blocks) + head)
+    return (1 + MATMUL_BACKWARD) * (flops_forward_blocks(m, lay, blocks) + head) + \
+        (1 + ATTENTION_BACKWARD) * blocks * attention_flops(m, lay)
 

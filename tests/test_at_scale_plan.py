@@ -10,9 +10,12 @@ ep (FSDP2 over the experts at ep 1 too, and HSDP beside them), DDP and FSDP2
 under selective on a pipeline: its first stage and its last, simulated apart; experts on nine, three with --ac, one
 with --sp):
 the state agrees exactly (within 1% is asked), every collective's calls exactly and its bytes within 1% (the rows
-that carry the model's tensors, 1 MiB and up; the gradient norm's few numbers by their calls), and the activation peak
+that carry the model's tensors, 1 MiB and up; the gradient norm's few numbers by their calls), the activation peak
 within 10% (the formulas: Korthikanti et al. 2022's count of what a block saves, redone for this code, and what FSDP2,
-DDP and torch's pipeline hold at the step's busiest moment; costs.py says each). HSDP (--replicate) both simulated
+DDP and torch's pipeline hold at the step's busiest moment; costs.py says each), and the FLOPs of the step
+(FlopCounterMode's, recomputation included) exactly: a matmul's backward twice its forward, an attention's 2.5 times
+(it computes the scores again); cp's ring computes its visible pairs of chunks alone, the formulas count the whole
+matrix, as of a fused kernel (costs.py ring_skipped_flops: the difference, exactly). HSDP (--replicate) both simulated
 (stage 13's, dp 64 = 8 replicas x 8) and against stage 11's real counts (11_gpt/README's table, tests/test_hsdp.py).
 
 The planner: Llama 3's exact parameter counts; Llama 3 405B's published layouts fit in 80 GB with sequence
@@ -151,6 +154,13 @@ def differences(costs, shape: tuple, layout: dict, rank: int, measured: dict) ->
     peak, sim_peak = predicted.activation_peak, measured["activation_peak_bytes"]
     if abs(peak - sim_peak) > ACTIVATION_TOLERANCE * sim_peak:
         out.append(f"activation peak {peak / MiB:,.0f} MiB predicted, {sim_peak / MiB:,.0f} simulated")
+    # (exact: FlopCounterMode counts matmuls and attention by their shapes alone, and so do the formulas; cp's ring
+    # computes its visible pairs of chunks alone, where the formulas count the whole matrix, as of a fused kernel)
+    blocks = sum(costs.rank_chunks(model, lay, measured["coords"]["pp"]))
+    flops = predicted.flops + predicted.recompute_flops - costs.ring_skipped_flops(model, lay, blocks)
+    if flops != measured["flops"]:
+        out.append(f"FLOPs {flops:,.0f} predicted, {measured['flops']:,} simulated "
+                   f"({flops / measured['flops'] - 1:+.2%})")
     return out
 
 
@@ -176,8 +186,8 @@ def simulated(early_results):
 
 
 def test_the_formulas_are_the_simulation(plan, simulated):
-    """26 layouts at 1.08 to 1.89 billion parameters on 64 to 16,384 ranks, every dimension: the state, the bytes sent
-    and the activation peak the formulas give for the rank are what the stages' own code does at that size."""
+    """26 layouts at 1.08 to 1.89 billion parameters on 64 to 16,384 ranks, every dimension: the state, the bytes sent,
+    the activation peak and the FLOPs the formulas give for the rank are what the stages' own code does at that size."""
     assert len(LAYOUTS) >= 26 and any(layout.get("sp") for _, layout, _ in LAYOUTS)
     experts = [layout for shape, layout, _ in LAYOUTS if len(shape) > 5]  # (stage 14's: --ac and --sp with experts)
     assert {"full", "selective"} <= {layout.get("ac") for layout in experts} and any(lay.get("sp") for lay in experts)
@@ -197,7 +207,8 @@ def test_a_wrong_formula_is_seen(plan, simulated, monkeypatch):
     nothing; --sp counted as no sp (all-reduces in place of its all-gathers and reduce-scatters, the norms whole, the
     head and the loss whole); selective under --sp keeping as without it, under cp nothing of the ring's; HSDP's
     replicas all-reducing whole gradients, not their shard's; experts under --ep recomputed as at ep 1 (the whole
-    block checkpointed); --sp with experts leaving out the tp sum of the routers' and experts' gradients."""
+    block checkpointed); --sp with experts leaving out the tp sum of the routers' and experts' gradients; the
+    attention's backward FLOPs counted as a matmul's (twice its forward); cp's ring computing every pair of chunks."""
     costs = plan.costs
     real_chunks = costs.rank_chunks
     pipelined = next(i for i, (_, lay, _) in enumerate(LAYOUTS) if lay.get("pp", 1) > 1)
@@ -291,6 +302,17 @@ def test_a_wrong_formula_is_seen(plan, simulated, monkeypatch):
     i = next(i for i, (shape, lay, _) in enumerate(LAYOUTS) if len(shape) > 5 and lay.get("sp"))
     found = differences(costs, *LAYOUTS[i][:2], LAYOUTS[i][2], simulated[i])
     assert any("('all_reduce', 'tp')" in d for d in found), found
+    # FLOPs: the attention's backward counted as a weight's matmul's (twice its forward, not 2.5 times: every
+    # layout); cp's ring as if it computed every pair of chunks (the cp layouts)
+    monkeypatch.undo()
+    monkeypatch.setattr(costs, "ATTENTION_BACKWARD", costs.MATMUL_BACKWARD)
+    assert all(any(d.startswith("FLOPs") for d in differences(costs, *LAYOUTS[i][:2], LAYOUTS[i][2], simulated[i]))
+               for i in range(len(LAYOUTS)))
+    monkeypatch.undo()
+    monkeypatch.setattr(costs, "ring_skipped_flops", lambda m, lay, blocks: 0.0)
+    ring = [i for i, (_, lay, _) in enumerate(LAYOUTS) if lay.get("cp", 1) > 1]
+    assert ring and all(any(d.startswith("FLOPs") for d in differences(costs, *LAYOUTS[i][:2], LAYOUTS[i][2],
+                                                                        simulated[i])) for i in ring)
 
 
 def test_a_ranks_own_experts_gradients_are_state_not_activation(simulated):
