@@ -157,8 +157,9 @@ def matmul_parameters(m: Model) -> int:
 
 
 def attention_flops(m: Model) -> float:
-    """Attention's FLOPs per token, forward and backward, the whole score matrix (PaLM's MFU: 12 x layers x context
-    x width; what FlopCounterMode counts for a fused kernel)."""
+    """Attention's FLOPs per token, forward and backward, the whole score matrix, as PaLM's MFU counts them: 12 x
+    layers x context x width, the backward twice the forward. (The step's time counts what a kernel computes:
+    FlopCounterMode's 14, the backward recomputing the scores; costs.ATTENTION_BACKWARD.)"""
     return 12 * m.layers * m.context * m.heads * m.head_size
 
 
