@@ -110,7 +110,7 @@ TIMEOUT = 5  # --timeout in the stall cases: how long the healthy ranks wait for
 # The GPT stages' (11-, 12-stalled-rank, 13-stalled-stage): --timeout also bounds the start-up's store waits, and the
 # (pp, dp x cp, tp) grid's groups once took longer than 5 s to make under CI's load (13: 1 of 3 runs; 11: its ranks
 # joined more than 5 s apart, DistStoreError in init_process_group, 1 of ~10 runs).
-PP_TIMEOUT = 20
+GPT_TIMEOUT = 20
 RENDEZVOUS_TIMEOUT = 10  # how long the lone node's agent waits for the other node
 # The margin, in start-ups of a trivial launch (PROBE) timed among the cases, the slowest of them: what a case does
 # besides the waits it configured. Measured here (2 cores shared with other jobs, a start-up 10-18 s among the
@@ -748,14 +748,14 @@ def cases() -> list[Case]:
         stall = replace(CONFIGS["05"], nproc=2) if stage == "05_multinode" else GPT_FAULTS.get(stage) \
             or (replace(CONFIGS["10"], nproc=4) if stage == "10_pipeline_parallel" else None)
         out.append(stalled(f"{stage[:2]}-stalled-rank", stage, "SIGSTOP to rank 1 after its first log line", stall,
-                           PP_TIMEOUT if stage in GPT_FAULTS else TIMEOUT,
+                           GPT_TIMEOUT if stage in GPT_FAULTS else TIMEOUT,
                            **(GPT_FAULT_AFTER if stage in GPT_FAULTS else {})))
     out += [Case("05-node-never-joins-static", "05_multinode", "node 0 of 2 started alone (static)", None,
                  RENDEZVOUS_TIMEOUT, "1/2 clients joined", lone_node("static"), at_least=RENDEZVOUS_TIMEOUT),
             Case("05-node-never-joins-c10d", "05_multinode", "node 0 of 2 started alone (c10d)", None,
                  RENDEZVOUS_TIMEOUT, "RendezvousTimeoutError", lone_node("c10d"), at_least=RENDEZVOUS_TIMEOUT)]
     out.append(stalled(f"{PP_STAGE[:2]}-stalled-stage", PP_STAGE, "SIGSTOP to pipeline stage 1 after its first log "
-                       "line", PP_FAULT, PP_TIMEOUT, **GPT_FAULT_AFTER))
+                       "line", PP_FAULT, GPT_TIMEOUT, **GPT_FAULT_AFTER))
     for stage in [*DDP_STAGES, *GPT_FAULTS]:  # nothing waits: the healthy ranks see a closed connection at once
         out.append(Case(f"{stage[:2]}-killed-rank", stage, "SIGKILL to rank 1 after its first log line", None, 0,
                         "SIGKILL", signalled(stage, signal.SIGKILL, step=GPT_FAULTS.get(stage),
