@@ -79,6 +79,9 @@ class Layout:
     #                             bfloat16, the weights, gradients and AdamW's moments float32 (the stages' --amp bf16)
     replicate: int = 1  # HSDP (the stages' --replicate R, FSDP2 only): dp = R x S; FSDP2 shards over S x cp ranks
     #                     (a node), R replicas of those shards all-reduce their gradient shards once a step
+    cp_impl: str = "ring"  # cp's attention (the stages' --cp-impl): "ring" or "allgather", the same bytes a step
+    #                        (each rank's keys and values to every other); the ring's hide behind the attention, the
+    #                        all-gather's do not (plan.predict, hardware.OVERLAP). Memory counted as the ring's.
 
     @property
     def world(self) -> int:

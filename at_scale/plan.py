@@ -125,9 +125,10 @@ def predict(m: Model, lay: Layout, gpu: hardware.GPU, links: Links | None = None
             s = comm_seconds(kind, calls, sent, n, group_link(lay, dim, gpu), gpu, links, interval)
             key = {"dp_cp": "dp", "ep_replicas": "dp", "shard_cp": "dp", "replicate": "dp"}.get(dim, dim)
             t[key] += s
-        # What hides: cp's ring behind the attention beside it (at most the compute), the pipeline's sends behind
-        # the next micro-batch's compute, dp's behind the step's compute but its first gather and last reduce.
-        t["cp"] = max(0.0, t["cp"] - overlap["cp_ring"] * t["compute"])
+        # What hides: cp's ring behind the attention beside it (at most the compute; an all-gather first: nothing),
+        # the pipeline's sends behind the next micro-batch's compute, dp's behind the step's compute but its first
+        # gather and last reduce.
+        t["cp"] = max(0.0, t["cp"] - overlap[f"cp_{lay.cp_impl}"] * t["compute"])
         t["pp"] = max(0.0, t["pp"] - overlap["pp"] * t["compute"])
         units = sum(costs.rank_chunks(m, lay, i)) + 1  # this stage's blocks and its root
         edge = 2 * t["dp"] / units  # one unit's gather and one's reduce: nothing to hide them behind
@@ -206,7 +207,8 @@ def layouts(m: Model, gpus: int, gpus_per_node: int, sequences: int, fixed: dict
                                 for schedule, v in pipeline_schedules(m.layers, pp, acc, fixed.get("stages_per_rank")):
                                     lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, parallel=parallel, micro_batch=mb,
                                                  accumulate=acc, schedule=schedule, stages_per_rank=v, ac=ac, sp=sp,
-                                                 precision="bf16", replicate=replicate)
+                                                 precision="bf16", replicate=replicate,
+                                                 cp_impl=fixed.get("cp_impl", "ring"))
                                     if all(getattr(lay, k) == value for k, value in fixed.items()):
                                         out.append(lay)
     return out
@@ -247,22 +249,29 @@ def plan(m: Model, gpus: int, gpu: hardware.GPU, gpus_per_node: int, batch_token
     return sorted(preds, key=lambda p: (not p.fits, -p.tokens_per_s))
 
 
-def llama3_rows() -> list[str]:
-    """at_scale/README.md's table: each of Llama 3 405B's published layouts (hardware.LLAMA3_405B_RUNS), micro-batch
-    1 under FSDP, with sequence parallelism (hardware.LLAMA3_405B_TRAINING["tensor_parallelism"]), predicted by the
-    planner with the least recomputation that fits (--ac none, else selective, else full: what a run would choose)."""
+def llama3_predictions(cp_impl: str = "allgather") -> list[tuple[hardware.Run, Prediction]]:
+    """Each of Llama 3 405B's published layouts (hardware.LLAMA3_405B_RUNS), micro-batch 1 under FSDP, with sequence
+    parallelism (hardware.LLAMA3_405B_TRAINING["tensor_parallelism"]) and its context parallelism
+    (["context_parallelism"]: an all-gather, exposed; or, asked, the stages' ring), predicted with the least
+    recomputation that fits (--ac none, else selective, else full: what a run would choose)."""
     out = []
     for run in hardware.LLAMA3_405B_RUNS:
         m = replace(costs.PRESETS["llama3-405b"], context=run.sequence)
-        fixed = dict(tp=run.tp, pp=run.pp, cp=run.cp, dp=run.dp, micro_batch=1, parallel="fsdp", sp=True, replicate=1)
+        fixed = dict(tp=run.tp, pp=run.pp, cp=run.cp, dp=run.dp, micro_batch=1, parallel="fsdp", sp=True, replicate=1,
+                     cp_impl=cp_impl)
         preds = [p for ac in ("none", "selective", "full")
                  for p in plan(m, run.gpus, hardware.GPUS["h100"], 8, run.tokens_per_batch, {**fixed, "ac": ac})]
-        p = next((p for p in preds if p.fits), preds[-1])
-        out.append(f"| {run.gpus:,} | {run.tp} | {run.cp} | {run.pp} | {run.dp} | {run.sequence:,} | "
-                   f"{run.flops_per_gpu / 1e12:.0f} | {p.flops_per_gpu / 1e12:.0f} "
-                   f"({p.flops_per_gpu / run.flops_per_gpu - 1:+.0%}) | "
-                   f"{'yes' if p.fits else 'no'}: {p.memory['total'] / 1e9:.1f} GB, --ac {p.layout.ac} --sp |")
+        out.append((run, next((p for p in preds if p.fits), preds[-1])))
     return out
+
+
+def llama3_rows() -> list[str]:
+    """at_scale/README.md's table: llama3_predictions() beside what Llama 3 published."""
+    return [f"| {run.gpus:,} | {run.tp} | {run.cp} | {run.pp} | {run.dp} | {run.sequence:,} | "
+            f"{run.flops_per_gpu / 1e12:.0f} | {p.flops_per_gpu / 1e12:.0f} "
+            f"({p.flops_per_gpu / run.flops_per_gpu - 1:+.0%}) | "
+            f"{'yes' if p.fits else 'no'}: {p.memory['total'] / 1e9:.1f} GB, --ac {p.layout.ac} --sp |"
+            for run, p in llama3_predictions()]
 
 
 def model_from(args: argparse.Namespace, p: ArgumentParser) -> Model:
@@ -307,6 +316,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ac", choices=costs.AC, help="only layouts with this activation checkpointing (the stages' --ac)")
     p.add_argument("--sp", choices=("yes", "no"),
                    help="only layouts with (yes) or without (no) sequence parallelism (the stages' --sp, with tp)")
+    p.add_argument("--cp-impl", choices=("ring", "allgather"),
+                   help="cp's attention (the stages' --cp-impl; default ring): the ring's sends hide behind the "
+                        "attention, an all-gather of the keys and values first does not (Llama 3's)")
     p.add_argument("--show", type=positive(int), default=10, help="rows of the table")
     p.add_argument("--out", type=Path, help="write plan.json (every layout considered) and plan.png here")
     args = p.parse_args(argv)
@@ -347,7 +359,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.out is not None:
         p.check_out_writable(args.out)
     args.fixed = {k: getattr(args, k) for k in ("dp", "tp", "pp", "cp", "ep", "parallel", "micro_batch", "replicate",
-                                                "stages_per_rank") if getattr(args, k) is not None}
+                                                "stages_per_rank", "cp_impl") if getattr(args, k) is not None}
     if args.ac is not None:
         if (why := costs.unmodelled_ac(args.model_, args.ac, args.cp or 1)) is not None:
             p.error(f"argument --ac: {why}; choose another --ac or leave it out (costs.unmodelled_ac)")

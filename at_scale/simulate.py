@@ -662,11 +662,11 @@ def measured_step(args: argparse.Namespace, fake: bool, even: bool) -> dict:
         for _ in range(WARM_UP[a.parallel]):
             trainer._run_step()
             trainer.steps += 1
-        state: dict[str, int] = {}
-        counted = optimizer.register_step_post_hook(lambda opt, *_: state.update(state_of(model, opt)))
         # (stage 14 under --ep with FSDP2: a rank's own experts, which FSDP2 leaves alone, as the stage picks them)
         left_out = [p for part in getattr(model, "parts", [model]) for p in experts_of(s)(part).values()] \
             if moe and a.ep > 1 and a.parallel == "fsdp" else []
+        state: dict[str, int] = {}
+        counted = optimizer.register_step_post_hook(lambda opt, *_: state.update(state_of(model, opt)))
         collectives, tracker = Collectives(grid), memory_tracker(model, optimizer, left_out)
         flops = FlopCounterMode(display=False, custom_mapping=cpu_attention_flops())
         # Its ModuleTracker hooks every module's outputs and keeps the hooks until it exits: under --ac, what a block

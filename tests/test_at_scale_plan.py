@@ -419,17 +419,29 @@ def test_out_holds_every_layout_and_a_picture(plan, tmp_path, capsys):
     assert (tmp_path / "plan.png").stat().st_size > 10_000
 
 
-def test_readme_says_what_the_128k_row_reads_with_cp_exposed(plan, monkeypatch):
-    """The README's 128K row with cp's communication exposed (Llama 3 all-gathered the keys and values before
-    attention) and attention's share of its FLOPs: the planner's figures, not typed ones."""
-    run = plan.hardware.LLAMA3_405B_RUNS[2]
+def test_llama3_405b_throughput_within_25_percent_in_the_published_order(plan):
+    """Table 4's TFLOP/s per GPU (430, 400, 380): the planner's, for each layout as Llama 3 ran it (context
+    parallelism an all-gather of the keys and values, exposed: hardware.LLAMA3_405B_TRAINING), each within 25% and in
+    the published order. Modelled as the stages' ring, hidden behind the attention, the 128K row would come first."""
+    def predicted(cp_impl: str) -> list[float]:
+        return [p.flops_per_gpu for _, p in plan.llama3_predictions(cp_impl)]
+    published = [run.flops_per_gpu for run in plan.hardware.LLAMA3_405B_RUNS]
+    assert published == sorted(published, reverse=True)
+    as_run = predicted("allgather")
+    assert all(abs(p / q - 1) <= 0.25 for p, q in zip(as_run, published, strict=True)), as_run
+    assert as_run == sorted(as_run, reverse=True), as_run
+    assert predicted("ring") != sorted(predicted("ring"), reverse=True)  # (what the order tells apart)
+
+
+def test_readme_says_what_the_128k_row_reads_with_the_ring(plan):
+    """The README's 128K row as the stages' own cp would run it (the ring, hidden behind the attention), and
+    attention's share of its FLOPs: the planner's figures, not typed ones."""
+    run, _ = plan.llama3_predictions()[2]
     m = dataclasses.replace(plan.costs.PRESETS["llama3-405b"], context=run.sequence)
     share = plan.attention_flops(m) / (plan.attention_flops(m) + 6 * plan.matmul_parameters(m))
-    monkeypatch.setitem(plan.hardware.OVERLAP, "cp_ring", plan.hardware.OVERLAP["cp_ring"]._replace(value=0.0))
-    exposed = published(plan, run, parallel="fsdp", ac="full", sp=True, replicate=1)[0]
-    tflops = exposed.flops_per_gpu / 1e12
+    tflops = plan.llama3_predictions("ring")[2][1].flops_per_gpu / 1e12
     text = " ".join((ROOT / "at_scale" / "README.md").read_text().split())
-    assert f"the row reads {tflops:.0f} ({tflops * 1e12 / run.flops_per_gpu - 1:+.0%})" in text, tflops
+    assert f"with the ring it reads {tflops:.0f} ({tflops * 1e12 / run.flops_per_gpu - 1:+.0%})" in text, tflops
     assert f"attention is {share:.0%} of the FLOPs" in text, share
 
 
