@@ -13,9 +13,9 @@ the background, from the start: the tour, then every other README command (test_
 then the notebooks (test_notebooks checks them); beside them, the container image's build, which mostly waits
 (tests/containers.py). In the foreground: first the modules that read no runs (BEFORE_THE_TOUR_ENDS, the fault
 battery among them: its bounds are measured under the load it meets), then the others (the first test that needs
-a run waits for the whole tour), then the at-scale modules (LATE: their simulations have run since the start in a
-worker of the lowest priority, harness.Early, in the idle time the rest leaves), and last (LAST) those that wait for
-the README commands or the notebooks.
+a run waits for the whole tour), then the at-scale modules (LATE: their simulations have run since the background
+ended, in two workers of the lowest priority, harness.Early, in the idle time the rest leaves), and last (LAST) those
+that wait for the README commands or the notebooks.
 """
 from __future__ import annotations
 
@@ -79,8 +79,8 @@ BEFORE_THE_TOUR_ENDS = ("test_faults.py", "test_benchmarks.py", "test_collective
 # Run last: they wait for the background's notebooks, and for the README commands (so do the tests marked
 # readme_run: they run with the README test). The modules in between, mostly one job at a time, run beside those.
 LAST = ("test_notebooks.py", "test_readme_commands.py")
-# Run just before LAST: their simulations run from the start as EARLY_JOBS (harness.Early), in the idle time the
-# session leaves; the later they are asked for, the more of it there has been.
+# Run just before LAST: their simulations run as EARLY_JOBS (harness.Early) from the background's end, in the idle
+# time the foreground leaves; the later they are asked for, the more of it there has been.
 LATE = ("test_at_scale.py", "test_at_scale_plan.py")
 
 
@@ -108,8 +108,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=phase)  # stable: otherwise in collected order
 
 
-# Test modules whose EARLY_JOBS run from the start (harness.Early), by module name: those of a selected test that asks
-# for their results (the early_results fixture).
+# Test modules whose EARLY_JOBS run before their tests ask (harness.Early; started when the background ends), by
+# module name: those of a selected test that asks for their results (the early_results fixture).
 EARLY: dict[str, Early] = {}
 
 
@@ -218,14 +218,20 @@ def background(forked_launches: None, request: pytest.FixtureRequest,
         for var in PROCESS_VARS if kernels else ():  # before any kernel starts; the launches ignore them
             mp.setenv(var, jupyter[var])
         tour = pool.submit(run_tour, tour_copy) if tour_copy else None
+        readmes = pool.submit(run_docs, blocks, readme_tmp, tour_copy is not None) if blocks else None
+        ran = pool.submit(run_notebooks, notebooks, jupyter, tour) if notebooks else None
+        # The EARLY_JOBS as the background ends (the tour, the README commands, the notebooks run in turn): from
+        # then on the foreground alone leaves a core idle a third of the time (2026-11-30's CI, sampled)
+        last = ran or readmes or tour
+        for early in EARLY.values():
+            if last is None:
+                early.start()
+            else:
+                last.add_done_callback(lambda _, early=early: early.start())
         try:
-            yield Background(tour=tour,
-                             readmes=pool.submit(run_docs, blocks, readme_tmp, tour_copy is not None)
-                             if blocks else None,
+            yield Background(tour=tour, readmes=readmes,
                              image=builder.submit(build_image, engine, tmp_path_factory.mktemp("image"))
-                             if build else None, engine=engine,
-                             notebooks=pool.submit(run_notebooks, notebooks, jupyter, tour) if notebooks else None,
-                             jupyter=jupyter)
+                             if build else None, engine=engine, notebooks=ran, jupyter=jupyter)
         finally:
             if build:  # after the build has ended, whatever happened to it or to the test
                 builder.shutdown(wait=True)

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
@@ -313,34 +313,44 @@ def forked_ranks(module: str, worker: str, world: int, out: Path, timeout: float
 
 
 class Early:
-    """A test module's EARLY_JOBS, started as the session starts (conftest.py): `module.early_job(job)` for each, in
-    one worker process of their own at the lowest priority, so that it takes a core only when nothing else wants it
-    (the session leaves the cores idle a tenth of its time, mostly in its second half). Same code, same results as in
-    this process; results() waits for them, at the others' priority by then."""
+    """A test module's EARLY_JOBS, `module.early_job(job)` for each, in two worker processes of their own at the lowest
+    priority, started (start()) when the session's background has ended (conftest.py): from then on the session
+    leaves a core idle a third of the time, and these take it, so that their tests find them done. Same code, same
+    results as in this process; results() waits for them, starting them first if need be, at the others' priority."""
 
     def __init__(self, module: ModuleType) -> None:
-        self.module, self.jobs = module, list(module.EARLY_JOBS)
-        # spawn, not fork: this process has threads (the background's); nice 19: idle time only, until wanted
-        self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=os.nice,
-                                        initargs=(19,))
-        self.pid: Future[int] = self.pool.submit(os.getpid)
-        self.futures = [self.pool.submit(module.early_job, job) for job in self.jobs]
+        self.module, self.jobs, self.futures = module, list(module.EARLY_JOBS), []
+        self.pool, self.pids, self.lock = None, [], threading.Lock()
+
+    def start(self) -> None:
+        with self.lock:
+            if self.pool is not None:
+                return
+            # spawn, not fork: this process has threads (the background's); nice 19: idle time only, until wanted
+            self.pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=os.nice,
+                                            initargs=(19,))
+            self.futures = [self.pool.submit(self.module.early_job, job) for job in self.jobs]
+            self.pids = list(self.pool._processes)  # (ProcessPoolExecutor starts its workers at the first submit)
 
     def results(self) -> list:
+        self.start()
         if not all(f.done() for f in self.futures):
-            try:  # wanted now: the worker at the others' priority (raising one takes root)
-                os.setpriority(os.PRIO_PROCESS, self.pid.result(), 0)
+            try:  # wanted now: the workers at the others' priority (raising one takes root)
+                for pid in self.pids:
+                    os.setpriority(os.PRIO_PROCESS, pid, 0)
             except PermissionError:  # else the jobs not begun run here
                 return [f.result() if not f.cancel() else self.module.early_job(job)
                         for f, job in zip(self.futures, self.jobs, strict=True)]
         return [f.result() for f in self.futures]
 
     def close(self) -> None:
-        """At the session's end: a job still running (its tests deselected by a failure, -x) is stopped."""
+        """At the session's end: jobs still running (their tests deselected by a failure, -x) are stopped."""
+        if self.pool is None:
+            return
         self.pool.shutdown(wait=False, cancel_futures=True)
-        if not all(f.done() for f in self.futures):
+        for pid in self.pids if not all(f.done() for f in self.futures) else ():
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid.result(), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager
