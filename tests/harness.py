@@ -330,7 +330,7 @@ class Early:
             self.pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=os.nice,
                                             initargs=(19,))
             self.futures = [self.pool.submit(self.module.early_job, job) for job in self.jobs]
-            self.pids = list(self.pool._processes)  # (ProcessPoolExecutor starts its workers at the first submit)
+            self.pids = list(self.pool._processes)  # (the submits have started its workers; no public list)
 
     def results(self) -> list:
         self.start()

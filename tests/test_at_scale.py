@@ -17,8 +17,8 @@ activations a block a micro-batch (TP_PLAN: two forward, four backward), the res
 experts.py's all-to-alls carry each rank's share of an even load; interleaving sends across every boundary of the
 2 pp stages of a rank.
 
-The real jobs are one forked launch per layout (tests/harness.py forked_ranks); the simulations run in one process of
-their own from the session's start (harness.Early), at the lowest priority until a test wants them.
+The real jobs are one forked launch per layout (tests/harness.py forked_ranks); the simulations run in worker processes
+of their own before the tests ask (harness.Early), at the lowest priority until a test wants them.
 """
 from __future__ import annotations
 
@@ -116,13 +116,13 @@ def simulate_copy():
 
 
 def early_job(job: tuple[str, int]) -> dict:
-    """A layout's rank, simulated (in the session's early worker: conftest.py, harness.Early)."""
+    """A layout's rank, simulated (in the session's early workers: conftest.py, harness.Early)."""
     return simulated(simulate_copy(), *job)
 
 
 @pytest.fixture(scope="module")
 def sims(early_results):
-    """Each rank's simulation of a layout (EARLY_JOBS, below), simulated once, from the session's start."""
+    """Each rank's simulation of a layout (EARLY_JOBS, below), simulated once, before the tests ask."""
     done = dict(zip(EARLY_JOBS, early_results, strict=True))
     return lambda layout, rank: done[layout, rank]
 

@@ -19,7 +19,8 @@ matrix, as of a fused kernel (costs.py ring_skipped_flops: the difference, exact
 (stage 13's, dp 64 = 8 replicas x 8) and against stage 11's real counts (11_gpt/README's table, tests/test_hsdp.py).
 
 The planner: Llama 3's exact parameter counts; Llama 3 405B's published layouts fit in 80 GB with sequence
-parallelism and --ac full, and do not without checkpointing; what cannot work is said: 405B by DDP
+parallelism and --ac full, and do not without checkpointing; their TFLOP/s per GPU within 25% and in the published
+order (as Llama 3 ran its context parallelism: an all-gather, exposed); what cannot work is said: 405B by DDP
 or FSDP alone on 16,384 GPUs at 16M tokens a step (more replicas than sequences), 70B on one node of 8 GPUs (none
 fits).
 """
@@ -164,7 +165,7 @@ def differences(costs, shape: tuple, layout: dict, rank: int, measured: dict) ->
     return out
 
 
-EARLY_JOBS = range(len(LAYOUTS))  # simulated from the session's start (conftest.py, harness.Early): 2-3 minutes
+EARLY_JOBS = range(len(LAYOUTS))  # simulated before the tests ask (conftest.py, harness.Early): 2-3 CPU-minutes
 
 
 @functools.cache

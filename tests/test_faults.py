@@ -653,7 +653,7 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
                       (*PLAN, "--pp", "1", "--stages-per-rank", "2"): "--stages-per-rank",  # no pipeline to cut
                       (*PLAN, "--cp", "3"): "--cp", (*PLAN, "--ep", "2"): "--ep",  # no experts
                       ("--parallel", "zero4"): "--parallel", ("--micro-batch", "0"): "--micro-batch",
-                      ("--ac", "some"): "--ac", ("--show", "0"): "--show",
+                      ("--ac", "some"): "--ac", ("--show", "0"): "--show", ("--cp-impl", "ulysses"): "--cp-impl",
                       ("--sp", "maybe"): "--sp", (*PLAN, "--sp", "yes", "--tp", "1"): "--sp",  # no tp to split over
                       ("--replicate", "0"): "--replicate", (*PLAN, "--replicate", "3"): "--replicate",  # 8 GPUs
                       (*PLAN, "--parallel", "ddp", "--replicate", "2"): "--replicate",  # HSDP replicates FSDP2's shards
