@@ -88,8 +88,8 @@ def layout_worker(rank: int, world: int, store: str, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def simulate():
-    return load_copy(SIMULATE)
+def simulate():  # (the copy the early jobs load where they run here)
+    return simulate_copy()
 
 
 @pytest.fixture(scope="module")
