@@ -82,9 +82,6 @@ LAYOUTS: dict[str, Layout] = {
     "cp 2 (ring), DDP": Layout(cp=2, micro_batch=16),
     "pp 2, 1F1B, 4 micro-batches": Layout(pp=2, parallel="fsdp", micro_batch=4, accumulate=4),
     "pp 2, GPipe, 4 micro-batches": Layout(pp=2, parallel="fsdp", micro_batch=4, accumulate=4, schedule="gpipe"),
-    # a block a stage, stages 0 and 2 on rank 0, 1 and 3 on rank 1: the bubble (pp - 1) / v micro-batches' time
-    "pp 2 x 2 stages, interleaved 1F1B": Layout(pp=2, parallel="fsdp", micro_batch=4, accumulate=4,
-                                                schedule="interleaved1f1b", stages_per_rank=2),
 }
 COLUMNS = ["layout", "processes", "tokens_per_step", "tokens_per_s", "rounds", "others_cores", "command"]
 
@@ -92,8 +89,7 @@ COLUMNS = ["layout", "processes", "tokens_per_step", "tokens_per_s", "rounds", "
 def layout_flags(lay: Layout) -> list[str]:
     """Stage 13's flags for a layout (its dp: the processes over tp x pp x cp)."""
     return ["--parallel", lay.parallel, "--tp", str(lay.tp), "--pp", str(lay.pp), "--cp", str(lay.cp),
-            "--pp-schedule", lay.schedule, "--stages-per-rank", str(lay.stages_per_rank), "--batch-size",
-            str(lay.micro_batch), "--accumulate", str(lay.accumulate)]
+            "--pp-schedule", lay.schedule, "--batch-size", str(lay.micro_batch), "--accumulate", str(lay.accumulate)]
 
 
 # ─── A shared machine: what other processes take meanwhile ─────────────────────────────────────────────────────────
@@ -288,8 +284,7 @@ def compute_rank(name: str, rank: int, steps: int) -> list[float]:
     sim = simulate.parse_args([
         "--layers", str(MODEL.layers), "--width", str(MODEL.width), "--heads", str(MODEL.heads), "--context",
         str(MODEL.context), "--vocab", str(VOCAB), "--world", str(lay.world), "--tp", str(lay.tp), "--pp",
-        str(lay.pp), "--cp", str(lay.cp), "--pp-schedule", lay.schedule, "--stages-per-rank", str(lay.stages_per_rank),
-        "--parallel", lay.parallel,
+        str(lay.pp), "--cp", str(lay.cp), "--pp-schedule", lay.schedule, "--parallel", lay.parallel,
         "--micro-batch", str(lay.micro_batch), "--accumulate", str(lay.accumulate), "--rank", str(rank)])
     s, a = simulate.stage(sim.stage_name), sim.stage
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=lay.world)
