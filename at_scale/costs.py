@@ -469,11 +469,16 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
             # counted, the planner may overstate the last stage by 8 bytes a token and vocabulary entry.
             at_loss = held(in_flight) * saved_block + last_terms - loss + \
                 (2 * logits if lay.pp > 1 else 1) * tokens * v * 4 + 2 * tokens * m.vocab * 4
-    # Experts: a block's MoE backward makes each expert's weight gradient, then stacks them into the [e, ...] one: the
-    # inner layer's per expert and stacked, beside the outer layer's stacked (under DDP already the weight's .grad,
-    # counted in the state): 3 (2) e ffn x width, once the loss's tensors are gone
-    stacked = (3 if lay.parallel == "fsdp" else 2) * m.experts // lay.ep * m.ffn * m.width * \
-        (BYTES[gathered] if lay.parallel == "fsdp" and lay.ep == 1 else f4)
+    # Experts: a block's MoE backward makes each expert's weight gradient, then stacks them into the [e, ...] one.
+    if m.experts and lay.ep > 1:  # A rank's own experts (plain tensors beside DDP or FSDP2): both layers' per expert
+        # and one stacked, EXPERT_GRADIENTS e ffn x width in float32 (the .grad they become is state). By then the
+        # MoE's backward has used up what it saved (block_mlp_units); held: the gradient arriving and its rows' (k).
+        stacked = EXPERT_GRADIENTS * m.experts // lay.ep * m.ffn * m.width * f4 + \
+            int(((m.top_k + 1) / (lay.tp if lay.sp else 1) - block_mlp_units(m, lay.tp, lay.sp)) * stream * act)
+    else:  # ep 1: the inner layer's per expert and stacked, beside the outer layer's stacked (under DDP already the
+        # weight's .grad, counted in the state): 3 (2) E ffn x width, once the loss's tensors are gone
+        stacked = (3 if lay.parallel == "fsdp" else 2) * m.experts * m.ffn * m.width * \
+            (BYTES[gathered] if lay.parallel == "fsdp" else f4)
     # --ac full: the loss's tensors are gone when the last block's backward rebuilds it; else both are counted
     peak += max(rebuilt + stacked, last_terms) if lay.ac == "full" else rebuilt + max(stacked, last_terms)
     if lay.parallel == "fsdp" and s > 1:
@@ -488,6 +493,12 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         # (a unit's reduce-scatter takes s shards, padded as gathered_now: beside whole gradients, the padding)
         grads_whole = (unit_elems + s * block_shard - block_elems) * f4 if acc > 1 or lay.pp > 1 else \
             s * block_shard * f4
+        if m.experts and lay.ep > 1 and acc == 1 and lay.pp == 1:  # the block's whole gradient (its attention's,
+            # made after its MoE's backward) is reduce-scattered before the next block's MoE: never beside the
+            # experts' stacked gradients, nor the loss's tensors; the head's (and the final norm's), made as the
+            # backward begins, is beside either until the root's reduce-scatter, after the embeddings' at its end
+            head = sum(r * c for r, c, _ in root_tensors(m, lay.tp, False, True, lay.sp)) * f4
+            grads_whole = max(last_terms, stacked + head, grads_whole + head) - max(stacked, last_terms)
         # Or, on a pipeline's first stage, at the end of a micro-batch's backward: the embeddings' backward makes a
         # dense gradient of each whole table before adding it in. The stage's weights are all gathered by then (kept
         # so from the first backward on), and its whole gradients too, the embeddings' from the second backward on;
@@ -572,6 +583,9 @@ def block_mlp_units(m: Model, tp: int, sp: bool = False) -> float:
 
 
 AC = ("none", "full", "selective")  # activation checkpointing, as the stages' --ac
+# A rank's own experts' weight gradients held at once as a block's MoE backward makes them (14_experts/experts.py:
+# each expert's two, then each layer's stacked into its [e, ...] .grad): both layers' per expert, one stacked
+EXPERT_GRADIENTS = 3
 
 
 def unmodelled_ac(m: Model, ac: str, cp: int) -> str | None:
