@@ -441,8 +441,8 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         rebuilt += stream / lay.tp * max(act, 4)
     if lay.ac == "full" and m.experts and lay.ep == 1:  # (under --ep nothing rebuilt at the peak: the attention's)
         # and it starts at the MoE's end: beside the rebuilt block, the gradient arriving, the ones made for the
-        # experts' outputs and for their inner layer's (k rows a token: k, k ffn / width); the weights' (stacked)
-        rebuilt += stream * act * (1 + m.top_k * (1 + m.ffn / m.width) / (lay.tp if lay.sp else 1))
+        # experts' outputs and for their inner layer's (k rows a token: k, k ffn / width), before the weights'
+        moe_start = stream * act * (1 + m.top_k * (1 + m.ffn / m.width) / (lay.tp if lay.sp else 1))
     elif lay.ac == "full" and not m.experts:  # and it starts at the MLP's last matmul: beside the rebuilt block, the
         # gradient arriving, the one made for the matmul's input (ffn / width / tp) and its weight's (ffn x width /
         # tp; under FSDP2 the unit's whole gradient, counted below)
@@ -469,18 +469,23 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
             # counted, the planner may overstate the last stage by 8 bytes a token and vocabulary entry.
             at_loss = held(in_flight) * saved_block + last_terms - loss + \
                 (2 * logits if lay.pp > 1 else 1) * tokens * v * 4 + 2 * tokens * m.vocab * 4
-    # Experts: a block's MoE backward makes each expert's weight gradient, then stacks them into the [e, ...] one.
-    if m.experts and lay.ep > 1:  # A rank's own experts (plain tensors beside DDP or FSDP2): both layers' per expert
-        # and one stacked, EXPERT_GRADIENTS e ffn x width in float32 (the .grad they become is state). By then the
-        # MoE's backward has used up what it saved (block_mlp_units); held: the gradient arriving and its rows' (k).
-        stacked = EXPERT_GRADIENTS * m.experts // lay.ep * m.ffn * m.width * f4 + \
+    # Experts: a block's MoE backward makes each expert's weight gradient, then stacks them into the [e, ...] one:
+    # both layers' per expert and one stacked, EXPERT_GRADIENTS e ffn x width at once (under --ep a rank's own
+    # experts, plain tensors beside DDP or FSDP2: float32; at ep 1 in FSDP2's units: as they were gathered; under
+    # DDP the .grad comes after). By then the MoE's backward has used up what it saved (block_mlp_units); held: the
+    # gradient arriving and its rows' (k).
+    stacked = 0
+    if m.experts:
+        grad_bytes = BYTES[gathered] if lay.parallel == "fsdp" and lay.ep == 1 else f4
+        stacked = EXPERT_GRADIENTS * m.experts // lay.ep * m.ffn * m.width * grad_bytes + \
             int(((m.top_k + 1) / (lay.tp if lay.sp else 1) - block_mlp_units(m, lay.tp, lay.sp)) * stream * act)
-    else:  # ep 1: the inner layer's per expert and stacked, beside the outer layer's stacked (under DDP already the
-        # weight's .grad, counted in the state): 3 (2) E ffn x width, once the loss's tensors are gone
-        stacked = (3 if lay.parallel == "fsdp" else 2) * m.experts * m.ffn * m.width * \
-            (BYTES[gathered] if lay.parallel == "fsdp" else f4)
+        if lay.ac == "full" and lay.ep == 1:
+            stacked = max(stacked, int(moe_start))
     # --ac full: the loss's tensors are gone when the last block's backward rebuilds it; else both are counted
     peak += max(rebuilt + stacked, last_terms) if lay.ac == "full" else rebuilt + max(stacked, last_terms)
+    # (what the experts' gradients add to the peak)
+    experts_add = max(rebuilt + stacked, last_terms) - max(rebuilt, last_terms) if lay.ac == "full" else \
+        max(stacked - last_terms, 0)
     if lay.parallel == "fsdp" and s > 1:
         g = BYTES[gathered]
         # what FSDP2 gathers, and holds whole gradients of: not a rank's own experts (under --ep, its own, plain
@@ -493,12 +498,19 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         # (a unit's reduce-scatter takes s shards, padded as gathered_now: beside whole gradients, the padding)
         grads_whole = (unit_elems + s * block_shard - block_elems) * f4 if acc > 1 or lay.pp > 1 else \
             s * block_shard * f4
-        if m.experts and lay.ep > 1 and acc == 1 and lay.pp == 1:  # the block's whole gradient (its attention's,
-            # made after its MoE's backward) is reduce-scattered before the next block's MoE: never beside the
-            # experts' stacked gradients, nor the loss's tensors; the head's (and the final norm's), made as the
-            # backward begins, is beside either until the root's reduce-scatter, after the embeddings' at its end
+        if m.experts and acc == 1 and lay.pp == 1:  # as each block's MoE backward stacks the experts' gradients
+            # (in backward order), beside them: the head's whole gradient (and the final norm's: made first, kept to
+            # the root's reduce-scatter at the end); from the second block on, the reduce-scatter's input of the
+            # block before (FSDP2 frees it as it starts the next), that block's activations gone; the next block's
+            # gather (prefetched), but at the last (block 0: one fewer gathered, its activations alone held). Or the
+            # loss's tensors; or a block's reduce-scatter as it starts, the next one gathered, its activations gone.
             head = sum(r * c for r, c, _ in root_tensors(m, lay.tp, False, True, lay.sp)) * f4
-            grads_whole = max(last_terms, stacked + head, grads_whole + head) - max(stacked, last_terms)
+            moments = [last_terms, stacked + head, head + grads_whole - saved_block]
+            if blocks > 1:
+                moments.append(stacked + head + grads_whole - s * block_shard * g - (blocks - 1) * saved_block)
+            if blocks > 2:
+                moments.append(stacked + head + grads_whole - saved_block)
+            grads_whole = max(moments) - max(stacked, last_terms)
         # Or, on a pipeline's first stage, at the end of a micro-batch's backward: the embeddings' backward makes a
         # dense gradient of each whole table before adding it in. The stage's weights are all gathered by then (kept
         # so from the first backward on), and its whole gradients too, the embeddings' from the second backward on;
@@ -514,8 +526,12 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
             at_table = max(held(n) * saved_block + grads * f4 for n, grads in others) + unit_elems * g + table + \
                 stream * act
         # (a unit's all-gather fills s shards, padded: where s does not divide a tensor's rows, more than the
-        # tensor; stage 14's experts under FSDP2 are rows of a [E, ...] tensor: s above E gathers s / E times them)
+        # tensor; stage 14's experts under FSDP2 are rows of a [E, ...] tensor: s above E gathers s / E times them).
+        # Two blocks' worth: the block at work and the next, prefetched, or a block's gather and its copy-out. A
+        # stage of one block has neither while its MoE's backward stacks the experts' gradients: the larger moment.
         gathered_now = (root_elems + 2 * s * block_shard) * g
+        if blocks == 1:
+            gathered_now -= min(s * block_shard * g, experts_add)
         if lay.pp > 1:  # Under a pipeline the busiest backward is the first, with every micro-batch in flight and
             # the gradients still to make (the block's at work; the last stage's root's, made first), or the second,
             # the gradients whole by then, with the micro-batches still in flight (as many, once the step has more
