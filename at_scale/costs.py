@@ -488,6 +488,11 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         max(stacked - last_terms, 0)
     if lay.parallel == "fsdp" and s > 1:
         g = BYTES[gathered]
+        # Without a pipeline (--sp: at_loss, below) the loss comes as the forward ends, every block resharded: the
+        # root alone gathered beside its tensors (at_loss_gathered); the blocks' moments come after, without them
+        loss_apart = lay.pp == 1 and not lay.sp
+        lt = 0 if loss_apart else last_terms
+        peak_blocks = held(in_flight) * saved_block + rebuilt + max(stacked, 0) if loss_apart else peak
         # what FSDP2 gathers, and holds whole gradients of: not a rank's own experts (under --ep, its own, plain
         # tensors whose gradients are state: counted there)
         unit_elems = full - blocks * own_elems
@@ -505,12 +510,12 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
             # gather (prefetched), but at the last (block 0: one fewer gathered, its activations alone held). Or the
             # loss's tensors; or a block's reduce-scatter as it starts, the next one gathered, its activations gone.
             head = sum(r * c for r, c, _ in root_tensors(m, lay.tp, False, True, lay.sp)) * f4
-            moments = [last_terms, stacked + head, head + grads_whole - saved_block]
+            moments = [lt, stacked + head, head + grads_whole - saved_block]
             if blocks > 1:
                 moments.append(stacked + head + grads_whole - s * block_shard * g - (blocks - 1) * saved_block)
             if blocks > 2:
                 moments.append(stacked + head + grads_whole - saved_block)
-            grads_whole = max(moments) - max(stacked, last_terms)
+            grads_whole = max(moments) - max(stacked, lt)
         # Or, on a pipeline's first stage, at the end of a micro-batch's backward: the embeddings' backward makes a
         # dense gradient of each whole table before adding it in. The stage's weights are all gathered by then (kept
         # so from the first backward on), and its whole gradients too, the embeddings' from the second backward on;
@@ -540,7 +545,7 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
                 ([(min(in_flight, acc - 1), unit_elems * f4)] if acc > 1 else [])
             at_blocks = max(peak - (held(in_flight) - held(n)) * saved_block + grads for n, grads in firsts)
         else:
-            at_blocks = peak + grads_whole
+            at_blocks = peak_blocks + grads_whole
         # Interleaved, a rank's stages take turns: a stage's forwards run while its others, after their first
         # backward, keep their weights gathered and their gradients whole. Counted at the worst: the most the rank
         # holds of activations and sends (interleaved_peak) beside all of its stages' weights and gradients whole.
@@ -548,7 +553,9 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         # Or, without a pipeline, as the backward ends: the root gathered, its whole gradient made (the embeddings'
         # last) beside the gradient arriving, and every unit's whole gradient if they accumulate
         at_end = root_elems * g + stream * act + (unit_elems if acc > 1 else root_elems) * f4 if lay.pp == 1 else 0
-        peak = max(at_blocks + gathered_now, at_table, interleaved, at_end,
+        at_loss_gathered = held(in_flight) * saved_block + last_terms + root_elems * g + \
+            (unit_elems * f4 if acc > 1 else 0) if loss_apart else 0
+        peak = max(at_blocks + gathered_now, at_table, interleaved, at_end, at_loss_gathered,
                    2 * root_elems * g + (unit_elems * f4 if acc > 1 and lay.pp == 1 else 0))
         if lay.sp and last:  # (at the loss: the root gathered, no block; the gradients accumulating, if they do)
             # (interleaved: the rank's other stages, after their first backward, kept gathered: all of it)
