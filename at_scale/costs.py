@@ -481,11 +481,10 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
             int(((m.top_k + 1) / (lay.tp if lay.sp else 1) - block_mlp_units(m, lay.tp, lay.sp)) * stream * act)
         if lay.ac == "full" and lay.ep == 1:
             stacked = max(stacked, int(moe_start))
-    # --ac full: the loss's tensors are gone when the last block's backward rebuilds it; else both are counted
-    peak += max(rebuilt + stacked, last_terms) if lay.ac == "full" else rebuilt + max(stacked, last_terms)
-    # (what the experts' gradients add to the peak)
-    experts_add = max(rebuilt + stacked, last_terms) - max(rebuilt, last_terms) if lay.ac == "full" else \
-        max(stacked - last_terms, 0)
+    # The loss's tensors are gone before the last block's backward rebuilds anything (--ac) or makes the experts'
+    # gradients; experts_add: what those gradients add to the peak
+    peak += max(rebuilt + stacked, last_terms)
+    experts_add = max(rebuilt + stacked, last_terms) - max(rebuilt, last_terms)
     if lay.parallel == "fsdp" and s > 1:
         g = BYTES[gathered]
         # Without a pipeline (--sp: at_loss, below) the loss comes as the forward ends, every block resharded: the
