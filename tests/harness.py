@@ -327,10 +327,12 @@ class Early:
             if self.pool is not None:
                 return
             # spawn, not fork: this process has threads (the background's); nice 19: idle time only, until wanted
+            before = {p.pid for p in multiprocessing.active_children()}
             self.pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=os.nice,
                                             initargs=(19,))
             self.futures = [self.pool.submit(self.module.early_job, job) for job in self.jobs]
-            self.pids = list(self.pool._processes)  # (the submits have started its workers; no public list)
+            # (the submits have started its workers, children of this process's multiprocessing)
+            self.pids = [p.pid for p in multiprocessing.active_children() if p.pid not in before]
 
     def results(self) -> list:
         self.start()
