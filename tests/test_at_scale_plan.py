@@ -105,8 +105,8 @@ LAYOUTS = [
     (SHAPE_EXPERTS, dict(dp=64, ep=8, parallel="fsdp"), 0),
     (SHAPE_EXPERTS, dict(dp=64, ep=4, parallel="ddp", accumulate=2), 0),
     # and at ep 1, inside DDP (the same three at once; the formula had two: 31% under) and inside FSDP2's units (as
-    # gathered; the next block's reduce-scatter not beside them, the previous one's gone: 20% over at tp 8), and on
-    # a pipeline's stage of one block (nothing else gathered while they are made: 16% over)
+    # gathered; from the second block on beside the reduce-scatter of the block before, nothing prefetched at the
+    # last: 20% over at tp 8), and on a pipeline's stage of one block (nothing else gathered meanwhile: 16% over)
     (SHAPE_EXPERTS, dict(dp=64, parallel="ddp"), 0),
     (SHAPE_EXPERTS, dict(dp=8, tp=8, parallel="fsdp"), 0),
     (SHAPE_EXPERTS, dict(dp=32, pp=2, parallel="fsdp", accumulate=4), 0),
