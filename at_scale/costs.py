@@ -482,7 +482,8 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         if lay.ac == "full" and lay.ep == 1:
             stacked = max(stacked, int(moe_start))
     # The loss's tensors are gone before the last block's backward rebuilds anything (--ac) or makes the experts'
-    # gradients; experts_add: what those gradients add to the peak
+    # gradients, and before cp's ring is run back; experts_add: what those gradients add to the peak
+    ring_back, held_now = ring_backward_bytes(m, lay), peak  # (the ring's moment: counted apart, below)
     peak += max(rebuilt + stacked, last_terms)
     experts_add = max(rebuilt + stacked, last_terms) - max(rebuilt, last_terms)
     if lay.parallel == "fsdp" and s > 1:
@@ -491,7 +492,7 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         # root alone gathered beside its tensors (at_loss_gathered); the blocks' moments come after, without them
         loss_apart = lay.pp == 1 and not lay.sp
         lt = 0 if loss_apart else last_terms
-        peak_blocks = held(in_flight) * saved_block + rebuilt + max(stacked, 0) if loss_apart else peak
+        peak_blocks = held(in_flight) * saved_block + max(rebuilt + max(stacked, 0), lt) if lay.pp == 1 else peak
         # what FSDP2 gathers, and holds whole gradients of: not a rank's own experts (under --ep, its own, plain
         # tensors whose gradients are state: counted there)
         unit_elems = full - blocks * own_elems
@@ -536,6 +537,7 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         gathered_now = (root_elems + 2 * s * block_shard) * g
         if blocks == 1:
             gathered_now -= min(s * block_shard * g, experts_add)
+        at_ring = 0
         if lay.pp > 1:  # Under a pipeline the busiest backward is the first, with every micro-batch in flight and
             # the gradients still to make (the block's at work; the last stage's root's, made first), or the second,
             # the gradients whole by then, with the micro-batches still in flight (as many, once the step has more
@@ -543,6 +545,9 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
             firsts = [(in_flight, (block_elems + last * root_elems) * f4)] + \
                 ([(min(in_flight, acc - 1), unit_elems * f4)] if acc > 1 else [])
             at_blocks = max(peak - (held(in_flight) - held(n)) * saved_block + grads for n, grads in firsts)
+            if ring_back:  # (cp: the ring run back, a stage of one block gathering no other meanwhile)
+                at_ring = max(held_now + ring_back - (held(in_flight) - held(n)) * saved_block + grads
+                              for n, grads in firsts) + gathered_now - (s * block_shard * g if blocks == 1 else 0)
         else:
             at_blocks = peak_blocks + grads_whole
         # Interleaved, a rank's stages take turns: a stage's forwards run while its others, after their first
@@ -554,12 +559,26 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         at_end = root_elems * g + stream * act + (unit_elems if acc > 1 else root_elems) * f4 if lay.pp == 1 else 0
         at_loss_gathered = held(in_flight) * saved_block + last_terms + root_elems * g + \
             (unit_elems * f4 if acc > 1 else 0) if loss_apart else 0
-        peak = max(at_blocks + gathered_now, at_table, interleaved, at_end, at_loss_gathered,
+        # Or, with cp, as a block's attention is run back (ring_backward_bytes): beside it the block's weight
+        # gradients made so far (all but q, k, v's and the first norm's), the head's whole one (one micro-batch) or
+        # every unit's (more); from the second block on, the reduce-scatter's input of the block before, whose
+        # activations are gone
+        if ring_back and lay.pp == 1:
+            qkv = sum(r * c for r, c, _ in per_block[:3]) + (sum(r for r, _, _ in per_block[4:7]) if m.biases else 0)
+            made = (block_elems - qkv - m.width * (2 if m.biases else 1)) * g
+            beside = sum(r * c for r, c, _ in root_tensors(m, lay.tp, False, True, lay.sp)) * f4 if acc == 1 else \
+                (unit_elems + s * block_shard - block_elems) * f4
+            at_ring = held_now + ring_back + made + beside + gathered_now
+            if acc == 1 and blocks > 1:
+                at_ring += max(0, s * block_shard * f4 - saved_block)
+        peak = max(at_blocks + gathered_now, at_table, interleaved, at_end, at_loss_gathered, at_ring,
                    2 * root_elems * g + (unit_elems * f4 if acc > 1 and lay.pp == 1 else 0))
         if lay.sp and last:  # (at the loss: the root gathered, no block; the gradients accumulating, if they do)
             # (interleaved: the rank's other stages, after their first backward, kept gathered: all of it)
             at_loss += (unit_elems if len(chunks) > 1 else root_elems) * g + \
                 (unit_elems * f4 if acc > 1 or lay.pp > 1 else 0)
+    else:  # DDP: the ring run back beside the blocks' activations
+        peak = max(peak, held_now + ring_back)
     if lay.sp and last:
         peak = max(peak, at_loss)
     # ── FLOPs ── (FlopCounterMode's: a matmul 2mnk forward, twice that backward; attention the whole score matrix,
@@ -640,6 +659,34 @@ def ring_kept_bytes(m: Model, lay: Layout) -> float:
     pairs = 2 * lay.cp + 1
     return lay.micro_batch * pairs * m.heads // lay.tp * chunk * (chunk + m.head_size) * \
         max(BYTES["bfloat16" if lay.precision == "bf16" else "float32"], 4)
+
+
+def ring_backward_bytes(m: Model, lay: Layout) -> float:
+    """What cp's ring backward (context_parallel.py RingAttention.backward) holds beside the blocks' activations, as a
+    block's attention is run back: up to six [heads / tp, chunk, chunk] tensors of a pair of chunks at once (float32
+    at least: the last pair's scores, probabilities, their gradients, and the next pair's product and scores), the
+    stacked keys and values, the next hop's, and the float32 gradient pieces (dkv, part; twice 2 kv / tp streams
+    each), dq, the gradient arriving (q / tp) and the residual stream's (1; --sp: split). Under --ac full also what the
+    block rebuilt for it (norm1's output, whole: q, k, v's input; q, k, v and the output); without checkpointing
+    those are held already and the block's MLP and second norm are used up by then; selective: counted as none."""
+    if lay.cp == 1:
+        return 0.0
+    act = BYTES["bfloat16" if lay.precision == "bf16" else "float32"]
+    wide = max(act, 4)
+    tokens = lay.micro_batch * m.context // lay.cp
+    stream = tokens * m.width
+    q = m.heads * m.head_size / m.width / lay.tp  # in residual streams
+    kv = 2 * m.kv_heads * m.head_size / m.width / lay.tp  # keys and values
+    chunk = m.context // (2 * lay.cp)
+    pairs = 6 * lay.micro_batch * m.heads // lay.tp * chunk * chunk * wide
+    units = ((1 / lay.tp if lay.sp else 1) + q) * act + (2 * kv) * act + (q + 2 * kv) * wide
+    if act < wide:  # (the float32 copies of q, the gradient arriving and each block of keys and values)
+        units += (2 * q + kv) * wide
+    if lay.ac == "full":
+        units += ((1 + 1 / lay.tp if lay.sp else 1) + 2 * q + kv) * act
+    elif lay.ac == "none":
+        units -= (block_norm_units(m, lay.tp, lay.sp) / 2 + q + block_mlp_units(m, lay.tp, lay.sp)) * act
+    return pairs + units * stream
 
 
 def block_kept_units(m: Model, tp: int, ac: str, sp: bool = False, cp: int = 1, ep: int = 1) -> float:
