@@ -665,8 +665,8 @@ def ring_backward_bytes(m: Model, lay: Layout) -> float:
     """What cp's ring backward (context_parallel.py RingAttention.backward) holds beside the blocks' activations, as a
     block's attention is run back: up to six [heads / tp, chunk, chunk] tensors of a pair of chunks at once (float32
     at least: the last pair's scores, probabilities, their gradients, and the next pair's product and scores), the
-    stacked keys and values, the next hop's, and the float32 gradient pieces (dkv, part; twice 2 kv / tp streams
-    each), dq, the gradient arriving (q / tp) and the residual stream's (1; --sp: split). Under --ac full also what the
+    stacked keys and values, the next hop's, and their float32 gradient pieces (dkv, part: each 2 kv / tp streams),
+    dq, the gradient arriving (q / tp) and the residual stream's (1; --sp: split). Under --ac full also what the
     block rebuilt for it (norm1's output, whole: q, k, v's input; q, k, v and the output); without checkpointing
     those are held already and the block's MLP and second norm are used up by then; selective: counted as none."""
     if lay.cp == 1:
