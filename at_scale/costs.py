@@ -492,7 +492,9 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         # root alone gathered beside its tensors (at_loss_gathered); the blocks' moments come after, without them
         loss_apart = lay.pp == 1 and not lay.sp
         lt = 0 if loss_apart else last_terms
-        peak_blocks = held(in_flight) * saved_block + max(rebuilt + max(stacked, 0), lt) if lay.pp == 1 else peak
+        peak_blocks = held_now + max(rebuilt + max(stacked, 0), lt) if lay.pp == 1 else peak
+        # the head's (and the final norm's) whole gradient, made as the backward begins
+        head = sum(r * c for r, c, _ in root_tensors(m, lay.tp, False, True, lay.sp)) * f4
         # what FSDP2 gathers, and holds whole gradients of: not a rank's own experts (under --ep, its own, plain
         # tensors whose gradients are state: counted there)
         unit_elems = full - blocks * own_elems
@@ -509,7 +511,6 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
             # block before (FSDP2 frees it as it starts the next), that block's activations gone; the next block's
             # gather (prefetched), but at the last (block 0: one fewer gathered, its activations alone held). Or the
             # loss's tensors; or a block's reduce-scatter as it starts, the next one gathered, its activations gone.
-            head = sum(r * c for r, c, _ in root_tensors(m, lay.tp, False, True, lay.sp)) * f4
             moments = [lt, stacked + head, head + grads_whole - saved_block]
             if blocks > 1:
                 moments.append(stacked + head + grads_whole - s * block_shard * g - (blocks - 1) * saved_block)
@@ -557,7 +558,7 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         # Or, without a pipeline, as the backward ends: the root gathered, its whole gradient made (the embeddings'
         # last) beside the gradient arriving, and every unit's whole gradient if they accumulate
         at_end = root_elems * g + stream * act + (unit_elems if acc > 1 else root_elems) * f4 if lay.pp == 1 else 0
-        at_loss_gathered = held(in_flight) * saved_block + last_terms + root_elems * g + \
+        at_loss_gathered = held_now + last_terms + root_elems * g + \
             (unit_elems * f4 if acc > 1 else 0) if loss_apart else 0
         # Or, with cp, as a block's attention is run back (ring_backward_bytes): beside it the block's weight
         # gradients made so far (all but q, k, v's and the first norm's), the head's whole one (one micro-batch) or
@@ -566,8 +567,7 @@ def rank_costs(m: Model, lay: Layout, stage: int = 0) -> Rank:
         if ring_back and lay.pp == 1:
             qkv = sum(r * c for r, c, _ in per_block[:3]) + (sum(r for r, _, _ in per_block[4:7]) if m.biases else 0)
             made = (block_elems - qkv - m.width * (2 if m.biases else 1)) * g
-            beside = sum(r * c for r, c, _ in root_tensors(m, lay.tp, False, True, lay.sp)) * f4 if acc == 1 else \
-                (unit_elems + s * block_shard - block_elems) * f4
+            beside = head if acc == 1 else (unit_elems + s * block_shard - block_elems) * f4
             at_ring = held_now + ring_back + made + beside + gathered_now
             if acc == 1 and blocks > 1:
                 at_ring += max(0, s * block_shard * f4 - saved_block)
