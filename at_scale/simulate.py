@@ -33,6 +33,7 @@ import atexit
 import contextlib
 import functools
 import io
+import itertools
 import json
 import os
 import shutil
@@ -128,7 +129,8 @@ def made_up_text(vocab: int, context: int, folder: Path) -> Path:
     renamed): the ranks of a real job, started at once, share the folder, and one must never read another's half."""
     path = folder / f"text_{vocab}_{context}.txt"
     if not path.exists():
-        chars = [chr(c) for c in range(32, 0x110000) if not 0xD800 <= c <= 0xDFFF][:vocab]
+        chars = [chr(c) for c in itertools.islice(
+            (c for c in range(32, 0x110000) if not 0xD800 <= c <= 0xDFFF), vocab)]  # the first vocab alone
         aside = path.with_name(f"{path.name}.{os.getpid()}")
         aside.write_text("".join(chars[i % vocab] for i in range(vocab + 10 * (context + 2))), encoding="utf-8")
         os.replace(aside, path)
@@ -544,7 +546,7 @@ def memory_tracker(model, optimizer, left_out: list | tuple = ()):
         def sample(self) -> int:
             """The bytes held now beyond the training state; the peak updated."""
             transient = 0
-            for snapshot in self.get_tracker_snapshot("current").values():
+            for snapshot in self._curr_mem_snap.values():  # (read, not kept: get_tracker_snapshot's deep copy apart)
                 named = {str(getattr(k, "value", k)): v for k, v in snapshot.items()}
                 transient = named["Total"] - sum(v for k, v in named.items() if k in STATE_KINDS)
                 if transient > self.transient_peak:
