@@ -20,6 +20,7 @@ import itertools
 import json
 import math
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -191,9 +192,11 @@ class Run:
         status = "killed at the time limit" if self.returncode is None else f"exit {self.returncode}"
         # A crashed process's Python stack (PYTHONFAULTHANDLER, clean_env) comes first in stderr, before the
         # other ranks' errors and the launcher's report: keep it even where the tail alone would cut it off.
+        # At the time limit every process printed its stacks so (print_stacks): each rank's, all kept.
         crash = self.stderr.find("Fatal Python error")
         cut_off = 0 <= crash < len(self.stderr) - 4000
-        crashed = f"--- the crash ---\n{self.stderr[crash:crash + 3000]}\n" if cut_off else ""
+        what, keep = ("the crash", 3000) if self.returncode is not None else ("the stacks at the time limit", 12000)
+        crashed = f"--- {what} ---\n{self.stderr[crash:crash + keep]}\n" if cut_off else ""
         return (f"$ {' '.join(self.cmd)}\n{status} after {self.seconds:.1f}s\n"
                 f"--- stdout ---\n{self.stdout[-4000:]}\n{crashed}--- stderr ---\n{self.stderr[-4000:]}")
 
@@ -237,6 +240,34 @@ def _kill_job(tag: str) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+# At a job's time limit, how long its processes get to print their stacks before they are killed
+STACKS_GRACE = 5.0
+
+
+def print_stacks(tag: str) -> None:
+    """Every process of the job prints where each of its threads is, in Python, to its stderr, and ends: SIGABRT, which
+    faulthandler (PYTHONFAULTHANDLER, clean_env) answers with the stacks; no core file (RLIMIT_CORE 0 first). So a job
+    killed at its time limit says on which line each rank waited (a hang's usual story: one rank in a collective the
+    others never called). One process at a time, the last started first (ranks before their launcher): ranks share
+    their launcher's stderr, and stacks printed at once would interleave. What is left after STACKS_GRACE seconds is
+    killed by the caller."""
+    deadline = time.monotonic() + STACKS_GRACE
+    for pid in sorted(_job_members(tag), reverse=True):
+        with contextlib.suppress(OSError):  # (gone meanwhile)
+            resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
+            os.kill(pid, signal.SIGABRT)
+        while not _ended(pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def _ended(pid: int) -> bool:
+    """Whether process `pid` has exited (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+    except OSError:
+        return True
+
+
 def _read(file) -> str:
     """The whole of a file the job is still writing to (pread: our own offset stays put)."""
     return os.pread(file.fileno(), os.fstat(file.fileno()).st_size, 0).decode(errors="replace")
@@ -263,8 +294,9 @@ def run_job(cmds: list[list[str]], out: Path | None = None, env: dict[str, str] 
             cwd: Path = ROOT) -> Run:
     """Run one command per node under one deadline; `during(job)`, if given, runs alongside in a thread.
 
-    At the deadline every process of the job is killed (returncode None). Whatever outlives the
-    launchers is reported in `survivors` and killed. stdout/stderr are node 0's, then the others'.
+    At the deadline every process of the job prints its Python stacks to its stderr (print_stacks) and is killed
+    (returncode None). Whatever outlives the launchers is reported in `survivors` and killed. stdout/stderr are node
+    0's, then the others'.
     """
     start = time.monotonic()
     tag = f"{os.getpid()}-{time.monotonic_ns()}"
@@ -282,6 +314,7 @@ def run_job(cmds: list[list[str]], out: Path | None = None, env: dict[str, str] 
             proc.wait(timeout=None if timed_out else max(0.0, start + timeout - time.monotonic()))
         except subprocess.TimeoutExpired:
             timed_out = True
+            print_stacks(tag)  # where each process waited, in its stderr
             _kill_job(tag)  # launchers and workers: torchrun's workers live in sessions of their own
             proc.wait()
     job.ended.set()

@@ -546,7 +546,7 @@ def memory_tracker(model, optimizer, left_out: list | tuple = ()):
         def sample(self) -> int:
             """The bytes held now beyond the training state; the peak updated."""
             transient = 0
-            for snapshot in self._curr_mem_snap.values():  # (read, not kept: get_tracker_snapshot's deep copy apart)
+            for snapshot in self.get_tracker_snapshot("current").values():
                 named = {str(getattr(k, "value", k)): v for k, v in snapshot.items()}
                 transient = named["Total"] - sum(v for k, v in named.items() if k in STATE_KINDS)
                 if transient > self.transient_peak:

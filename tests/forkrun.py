@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import json
 import os
 import re
@@ -70,6 +71,11 @@ def run_rank(script: str, args: list[str], env: dict[str, str], orig_argv: list[
     os.write(2, IMPORT_STDERR)  # what importing torch printed, as a fresh process prints it
     warnings.filters[:] = FRESH_FILTERS
     os.environ.update(env)
+    # faulthandler's handlers (SIGSEGV, SIGABRT...: the stacks a crash, or tour.print_stacks, has printed), set from
+    # C and reset by start_signals: as a fresh interpreter sets them from the launch's PYTHONFAULTHANDLER
+    faulthandler.disable()
+    if os.environ.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable()
     sys.orig_argv = orig_argv
     # torch's generator (torch.rand, a model's initial weights) and numpy's global one were seeded from the OS as the
     # server imported them (torch imports numpy.random): a fork copies their state, so every forked rank of the

@@ -44,6 +44,7 @@ from tour import (  # noqa: E402
     max_abs_diff,
     max_gap,
     plan,
+    print_stacks,
     replay_error,
     restore_state,
     run_command,
@@ -62,7 +63,7 @@ RECIPES = sorted(f"recipes/{p.parent.name}" for p in ROOT.glob("recipes/*/train.
 __all__ = ["ROOT", "FOLDER_STAGES", "RECIPES", "STAGES", "TORCHRUN", "Fault", "Job", "Run", "Step",
            "assert_same_training", "check", "clean_env", "forked_ranks", "free_port", "gradient_bytes", "group_of_one",
            "launch", "launch_commands", "load_copy", "load_run", "load_stage", "max_abs_diff", "max_gap", "mutate",
-           "mutated", "plan", "programs", "replay_error", "restore_state", "run_chains",
+           "mutated", "plan", "print_stacks", "programs", "replay_error", "restore_state", "run_chains",
            "run_command", "run_job", "run_slurm_command", "selected", "slurm_missing", "state_gap", "tolerance",
            "with_args", "with_batch", "workers"]
 

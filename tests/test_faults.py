@@ -1251,3 +1251,44 @@ def test_a_crashed_worker_shows_where_it_crashed_among_the_others_errors():
     assert run.returncode == 0 and run.stderr.index("Fatal Python error") < 100, run.describe()
     assert len(run.stderr) > 4000 and "where_it_crashed" not in run.stderr[-4000:]  # the tail alone would lose it
     assert "--- the crash ---" in run.describe() and "in where_it_crashed" in run.describe(), run.describe()
+
+
+def test_a_job_killed_at_its_time_limit_says_where_it_waited(tmp_path):
+    """At its time limit a job's processes print their Python stacks before they are killed (tour.print_stacks:
+    SIGABRT, answered by faulthandler): a hang names its line. And no core file, though this one allows them (the
+    limit lowered first). The limit: one start-up of a torch launch timed here; the script imports nothing."""
+    path = tmp_path / "hang.py"
+    path.write_text("import threading\n\n\ndef wait_here():\n    print('waiting', flush=True)\n"
+                    "    threading.Event().wait()\n\n\nwait_here()\n")
+    run = harness.run_job([["bash", "-c", 'ulimit -c unlimited && exec "$0" "$1"', sys.executable, str(path)]],
+                          timeout=harness.startup()[0], cwd=tmp_path)
+    assert run.returncode is None and run.stdout == "waiting\n" and not run.survivors, run.describe()
+    assert f'File "{path}", line 6 in wait_here' in run.stderr, run.describe()
+    assert not [f.name for f in tmp_path.iterdir() if f.name.startswith("core")]
+
+
+def test_every_rank_of_a_hung_job_says_where_it_waited(tmp_path):
+    """The hang learners meet most: a collective one rank calls and the other never does. print_stacks, as run_job
+    calls it at the limit (here once both ranks wait), has each rank of a (forked) torchrun job name its line."""
+    path = tmp_path / "hang.py"
+    path.write_text(textwrap.dedent("""\
+        import os, threading
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        print("waiting", flush=True)
+        if os.environ["RANK"] == "1":
+            dist.barrier()  # rank 0 never calls it
+        else:
+            threading.Event().wait()
+        """))
+
+    def when_both_wait(job: Job) -> None:
+        while job.output().count("waiting") < 2 and not job.ended.is_set():
+            time.sleep(0.05)
+        harness.print_stacks(job.tag)
+
+    run = harness.run_job(harness.forked([[*TORCHRUN, "--standalone", "--nproc_per_node=2", str(path)]]),
+                          timeout=harness.time_limit(programs=2), during=when_both_wait)
+    assert run.returncode not in (0, None) and not run.survivors, run.describe()
+    for line in (6, 8):
+        assert f'File "{path}", line {line} in <module>' in run.stderr, run.describe()

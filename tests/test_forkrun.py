@@ -304,7 +304,10 @@ SEES = textwrap.dedent("""\
                      s.errors] for s in (sys.stdout, sys.stderr)],
         "signals": {name: str(signal.getsignal(getattr(signal, name)))
                     for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGPIPE", "SIGCHLD", "SIGUSR1")},
-        "faulthandler": faulthandler.is_enabled(), "warnings": [str(f) for f in warnings.filters],
+        "faulthandler": faulthandler.is_enabled(),
+        # the kernel's own view (a handler set from C, faulthandler's, is not in signal.getsignal): ignored, caught
+        "kernel signals": [line for line in open("/proc/self/status") if line.startswith(("SigIgn", "SigCgt"))],
+        "warnings": [str(f) for f in warnings.filters],
         "flags": list(sys.flags), "hash": hash("forkrun"), "modules": fresh, "orig_argv": sys.orig_argv,
         "threads": [threads, torch.get_num_threads()], "torch": torch.initial_seed(),
         # where it stands: a session's leader, a group's, in its parent's session, in its parent's group
