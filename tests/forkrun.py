@@ -18,8 +18,8 @@ their own, so a set of strings iterates in another order on each: a script whose
 collectives would disagree under torchrun and agree here), and they start with the modules imported here
 (torch._dynamo's 800 and more, beside torch's own): test_forkrun checks that no script uses a module it does not
 import (a script that reached torch.distributed.fsdp through torch alone would pass here and fail under torchrun).
-The tour, the fault battery, your_model/'s pages, and the first README launch of every script run through torchrun
-itself. What torchrun does beyond starting its workers (rendezvous between nodes,
+The tour, the fault battery, the README commands of 11, 12 and your_model/, and the first README launch of every
+other script run through torchrun itself. What torchrun does beyond starting its workers (rendezvous between nodes,
 restarts, the agent's monitoring) stays with the real launcher: here, one rank failing stops the others (SIGTERM to
 each one's process group, then SIGKILL after GRACE s, as torchrun's agent does; its grace is 30 s), and the exit
 status is 1 for any failure (torchrun's too).

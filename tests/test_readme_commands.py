@@ -8,8 +8,9 @@ tour (conftest: the tour's runs are the equivalence tests' `runs`); the tests he
 
 Each block runs with OMP_NUM_THREADS=1 (see run_block), and its `torchrun --standalone --nproc_per_node=N script`
 and `python script.py` commands run forked from the session's import of torch (readme_blocks.launch_shims), but for
-the first launch of each script through each launcher, which runs through torchrun or python itself; the tour runs
-stages 01-10 through torchrun itself. The README's set-up line (`python3 -m venv .venv &&
+the GPT stages' READMEs (readme_blocks.THROUGH_LAUNCHERS), which run through torchrun and python themselves, and
+for the first launch of each script through each launcher, which does too; the tour runs stages 01-10 through
+torchrun itself. The README's set-up line (`python3 -m venv .venv &&
 .venv/bin/pip install -r requirements.txt`) is not run again here: the test command starts with
 it, and .ci/run runs that in a fresh clone (test_the_set_up_line_is_the_test_commands_own checks they are the
 same). The copy's `.venv` is the environment these tests run in (~40 s saved: installing torch).
@@ -25,7 +26,7 @@ from forkrun import real_once_name
 from harness import ROOT
 from page_blocks import Block as PageBlock
 from page_blocks import code_mismatch
-from readme_blocks import BLOCKS, COMMANDS, LIMITS, REAL_LAUNCHES, TOURS, shimmed, why_skipped
+from readme_blocks import BLOCKS, COMMANDS, LIMITS, REAL_LAUNCHES, THROUGH_LAUNCHERS, TOURS, shimmed, why_skipped
 
 NOT_RUN = {  # the only reasons a command may be left out
     "needs GPUs", "needs several hosts",
@@ -117,12 +118,12 @@ def test_readme_command_runs_as_written(block, request):
 def test_each_script_a_readme_launches_runs_once_through_its_real_launcher(readme_runs):
     """The shims fork a README's `torchrun --standalone` and `python script.py` commands, but the first launch of each
     script through each launcher in the session, which runs through torchrun or Python itself (forkrun.REAL_ONCE;
-    tested in test_forkrun); the tour runs stages 01-10's train.py through both itself. So every script a README
-    launches starts once as a reader starts it, and its block's test says whether it succeeded; the other commands
-    differ in their flags."""
+    tested in test_forkrun); the tour runs stages 01-10's train.py through both itself, and the GPT stages' READMEs
+    run whole through them (THROUGH_LAUNCHERS). So every script a README launches starts once as a reader starts it,
+    and its block's test says whether it succeeded; the other commands differ in their flags."""
     (folder,) = REAL_LAUNCHES
     claims = {path.name: json.loads(path.read_text()) for path in folder.iterdir()}
-    seen = {(pair, block.id) for block in COMMANDS if block.id in readme_runs
+    seen = {(pair, block.id) for block in COMMANDS if block.id in readme_runs and block.doc not in THROUGH_LAUNCHERS
             for command in block.commands() if (pair := shimmed(command))}
     unclaimed = sorted((pair, where) for pair, where in seen if real_once_name(*pair) not in claims)
     assert not unclaimed, f"launched by a README, never through its real launcher: {unclaimed}"

@@ -366,6 +366,50 @@ def functions(tree: ast.AST) -> list[ast.AST]:
     return [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
 
 
+DDP_NAMES = ("DDP", "DistributedDataParallel")
+EVERY_SCRIPT = [p for p in sorted(ROOT.rglob("*.py"))
+                if not {"tests", ".venv", "runs"} & set(p.relative_to(ROOT).parts)]
+
+
+def ddp_outliving_its_group(tree: ast.AST) -> list[tuple[str, int]]:
+    """(name, line) of each DDP model a function binds and still holds where it destroys the process group, and then
+    frees as it returns (no os._exit after): freed after its group, DDP's reducer joins gloo's worker thread holding
+    the interpreter that thread may need to free the last collective's tensors, a hang at exit (your_model/hf_ddp.py
+    did, 5 of 56 runs beside a busy core; hugging_face.md). A `del` before the call frees it while the group lives."""
+    found = []
+    for func in functions(tree):
+        destroys = lines_calling(func, "dist.destroy_process_group")
+        exits = lines_calling(func, "os._exit")
+        models = [(t.id, n.lineno) for n in ast.walk(func)
+                  if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+                  and ast.unparse(n.value.func).split(".")[-1] in DDP_NAMES
+                  for t in n.targets if isinstance(t, ast.Name)]
+        deleted = [(t.id, n.lineno) for n in ast.walk(func) if isinstance(n, ast.Delete) for t in n.targets
+                   if isinstance(t, ast.Name)]
+        for destroy in destroys:
+            for name, bound in models:
+                freed = any(d == name and bound < line < destroy for d, line in deleted)
+                if bound < destroy and not freed and not any(e > destroy for e in exits):
+                    found.append((name, destroy))
+    return found
+
+
+def test_no_ddp_model_outlives_its_process_group():
+    held = {str(p.relative_to(ROOT)): found for p in EVERY_SCRIPT if (found := ddp_outliving_its_group(
+        ast.parse(p.read_text())))}
+    assert not held, f"DDP models still held where their process group is destroyed, freed after it: {held}"
+
+
+def test_the_ddp_check_sees_a_model_freed_after_its_group():
+    """Negative control: hf_ddp.py without its `del model`; with os._exit after the destroy it never frees it."""
+    source = (ROOT / "your_model" / "hf_ddp.py").read_text()
+    assert "    del model\n" in source
+    without = source.replace("    del model\n", "")
+    assert [name for name, _ in ddp_outliving_its_group(ast.parse(without))] == ["model"]
+    exits = without.replace("    dist.destroy_process_group()\n", "    dist.destroy_process_group()\n    os._exit(0)\n")
+    assert not ddp_outliving_its_group(ast.parse(exits))
+
+
 def clock_reads(tree: ast.AST) -> list[tuple[int, bool]]:
     """(line, waits for the GPU) of every time.perf_counter() call: waits when the function it is in calls
     torch.cuda.synchronize on an earlier line (as the stages' clock() does); a read at module level never waits.

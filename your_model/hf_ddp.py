@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
         (args.out / "summary.json").write_text(json.dumps({"losses": losses, "norms": norms, "args": vars(args)},
                                                           indent=1, default=str))
         print(f"saved {args.out / 'model.pt'}")
+    # DDP before its process group: freed after it, as main() returns, DDP's reducer would wait for gloo's thread
+    # while holding the interpreter that thread needs to free the last collective (pytorch/pytorch#75097): a hang.
+    del model
     dist.destroy_process_group()
 
 
