@@ -597,7 +597,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=positive(float), help="every stage's learning rate (default: the stages' own, 0.05)")
     p.add_argument("--seed", type=int, help="every stage's seed: data, initial weights, order (default: 0)")
     p.add_argument("--timeout", type=positive(float), default=300.0,
-                   help="seconds one stage may take before it is killed")
+                   help="seconds one stage may take before it is killed (each of its processes first prints where "
+                        "it waited: its Python stacks)")
     p.add_argument("--out", type=Path,
                    help="keep every run's files in OUT/<row>-<stage>-<launcher>/: its summary.json, model.pt, "
                         "trajectory.pt and run.json (the command and what it printed); default: a temporary "
