@@ -375,7 +375,7 @@ def ddp_outliving_its_group(tree: ast.AST) -> list[tuple[str, int]]:
     """(name, line) of each DDP model a function binds and still holds where it destroys the process group, and then
     frees as it returns (no os._exit after): freed after its group, DDP's reducer joins gloo's worker thread holding
     the interpreter that thread may need to free the last collective's tensors, a hang at exit (your_model/hf_ddp.py
-    did, 5 of 56 runs beside a busy core; hugging_face.md). A `del` before the call frees it while the group lives."""
+    did, 5 of 56 runs beside busy loops; hugging_face.md). A `del` before the call frees it while the group lives."""
     found = []
     for func in functions(tree):
         destroys = lines_calling(func, "dist.destroy_process_group")
