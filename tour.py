@@ -213,6 +213,14 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 JOB_TAG = "DDP_TUTORIAL_JOB"  # set in every launched job's environment; every descendant inherits it
 
 
+def _ended(pid: int) -> bool:
+    """Whether process `pid` has exited (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+    except OSError:
+        return True
+
+
 def _job_members(tag: str) -> list[int]:
     """Live (non-zombie) processes of the job tagged `tag`.
 
@@ -226,8 +234,7 @@ def _job_members(tag: str) -> list[int]:
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             if (needle in (proc / "environ").read_bytes().split(b"\0") or
-                    (proc / "comm").read_text().rstrip("\n") == name) and \
-                    (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    (proc / "comm").read_text().rstrip("\n") == name) and not _ended(int(proc.name)):
                 found.append(int(proc.name))
         except OSError:  # gone meanwhile
             continue
@@ -258,14 +265,6 @@ def print_stacks(tag: str) -> None:
             os.kill(pid, signal.SIGABRT)
         while not _ended(pid) and time.monotonic() < deadline:
             time.sleep(0.01)
-
-
-def _ended(pid: int) -> bool:
-    """Whether process `pid` has exited (gone, or a zombie its parent has not reaped yet)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
-    except OSError:
-        return True
 
 
 def _read(file) -> str:

@@ -1271,7 +1271,8 @@ def test_a_job_killed_at_its_time_limit_says_where_it_waited(tmp_path):
 
 def test_every_rank_of_a_hung_job_says_where_it_waited(tmp_path):
     """The hang learners meet most: a collective one rank calls and the other never does. print_stacks, as run_job
-    calls it at the limit (here once both ranks wait), has each rank of a (forked) torchrun job name its line."""
+    calls it at the limit (here once both ranks wait), has each rank of a torchrun job (torchrun itself, as every job
+    here) name its line."""
     path = tmp_path / "hang.py"
     path.write_text(textwrap.dedent("""\
         import os, threading
@@ -1289,7 +1290,7 @@ def test_every_rank_of_a_hung_job_says_where_it_waited(tmp_path):
             time.sleep(0.05)
         harness.print_stacks(job.tag)
 
-    run = harness.run_job(harness.forked([[*TORCHRUN, "--standalone", "--nproc_per_node=2", str(path)]]),
+    run = harness.run_job([[*TORCHRUN, "--standalone", "--nproc_per_node=2", str(path)]],
                           timeout=harness.time_limit(programs=2), during=when_both_wait)
     assert run.returncode not in (0, None) and not run.survivors, run.describe()
     for line in (6, 8):

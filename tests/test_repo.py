@@ -353,8 +353,9 @@ def test_snapshots_are_handled_with_the_previous_stages_code(pair):
 
 
 GPU_PATH = re.compile(r"torch\.cuda|[\"']cuda")  # a script that can run on a GPU names it
-GPU_SCRIPTS = [p for p in sorted(ROOT.rglob("*.py"))
-               if not {"tests", ".venv", "runs"} & set(p.relative_to(ROOT).parts) and GPU_PATH.search(p.read_text())]
+EVERY_SCRIPT = [p for p in sorted(ROOT.rglob("*.py"))
+                if not {"tests", ".venv", "runs"} & set(p.relative_to(ROOT).parts)]
+GPU_SCRIPTS = [p for p in EVERY_SCRIPT if GPU_PATH.search(p.read_text())]
 
 
 def lines_calling(node: ast.AST, name: str) -> list[int]:
@@ -367,8 +368,6 @@ def functions(tree: ast.AST) -> list[ast.AST]:
 
 
 DDP_NAMES = ("DDP", "DistributedDataParallel")
-EVERY_SCRIPT = [p for p in sorted(ROOT.rglob("*.py"))
-                if not {"tests", ".venv", "runs"} & set(p.relative_to(ROOT).parts)]
 
 
 def ddp_outliving_its_group(tree: ast.AST) -> list[tuple[str, int]]:
