@@ -39,6 +39,7 @@ from tools.cli import ArgumentParser, positive, print_table  # noqa: E402
 
 PARALLEL = ("ddp", "zero1", "zero2", "fsdp")
 MICRO_BATCHES = (1, 2, 4, 8)
+VOCAB, TOP_K = 128256, 2  # the shape flags' defaults: Llama 3's vocabulary; experts a token goes to
 
 
 @dataclass
@@ -275,12 +276,20 @@ def llama3_rows() -> list[str]:
 
 
 def model_from(args: argparse.Namespace, p: ArgumentParser) -> Model:
-    if args.model is not None:
-        m = costs.PRESETS[args.model]
-        return replace(m, context=args.context)
+    shape = ("layers", "width", "heads", "vocab", "experts", "top_k")
+    if args.model is not None:  # (a shape flag beside a preset would be left unread: said, not ignored)
+        for f in (f for f in shape if getattr(args, f) is not None):
+            flag = f"--{f.replace('_', '-')}"
+            p.error(f"argument {flag}: --model {args.model} sets the shape; leave {flag} out, or give the shape "
+                    "flags without --model")
+        return replace(costs.PRESETS[args.model], context=args.context)
     missing = [f"--{f}" for f in ("layers", "width", "heads") if getattr(args, f) is None]
     if missing:
         p.error(f"argument --model: give a preset ({', '.join(costs.PRESETS)}) or the shape: {', '.join(missing)}")
+    if args.top_k is not None and not args.experts:
+        p.error("argument --top-k: the experts a token goes to, and the model has none; give --experts, or leave "
+                "--top-k out")
+    args.vocab, args.top_k = args.vocab or VOCAB, args.top_k or TOP_K
     m = costs.tutorial_gpt(args.layers, args.width, args.heads, args.context, args.vocab, args.experts or 0,
                            args.top_k)
     if args.width % args.heads:
@@ -296,9 +305,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=positive(int), help="transformer blocks (the tutorial's GPT)")
     p.add_argument("--width", type=positive(int), help="size of the residual stream")
     p.add_argument("--heads", type=positive(int), help="attention heads per block")
-    p.add_argument("--vocab", type=positive(int), default=128256, help="tokens in the vocabulary")
+    p.add_argument("--vocab", type=positive(int), help=f"tokens in the vocabulary (default {VOCAB:,}: Llama 3's)")
     p.add_argument("--experts", type=positive(int), help="experts per block (stage 14's mixture)")
-    p.add_argument("--top-k", type=positive(int), default=2, help="experts a token goes to")
+    p.add_argument("--top-k", type=positive(int), help=f"experts a token goes to (default {TOP_K})")
     p.add_argument("--gpus", type=positive(int), required=True, help="GPUs in the job")
     p.add_argument("--gpu", choices=list(hardware.GPUS), default="h100", help="the GPU (hardware.py)")
     p.add_argument("--gpus-per-node", type=positive(int), help="GPUs on one NVLink domain (default: the GPU's)")
@@ -372,10 +381,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def row(p: Prediction) -> list[str]:
+def row(p: Prediction, experts: bool) -> list[str]:
     lay, GB = p.layout, 1e9
     pp = f"{lay.pp}" + (f" x {lay.stages_per_rank}" if lay.stages_per_rank > 1 else "")  # (interleaved: v a rank)
-    return [f"{lay.dp}", f"{lay.tp}", pp, f"{lay.cp}"] + ([f"{lay.ep}"] if lay.ep > 1 else []) + [
+    return [f"{lay.dp}", f"{lay.tp}", pp, f"{lay.cp}"] + ([f"{lay.ep}"] if experts else []) + [
         lay.parallel if lay.replicate == 1 else f"hsdp {lay.replicate}", f"{lay.micro_batch} x {lay.accumulate}",
         lay.ac, "yes" if lay.sp else "no",
         f"{p.memory['total'] / GB:,.1f}", f"{p.seconds['total']:,.2f}", f"{p.tokens_per_s:,.0f}",
@@ -442,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         head = ["dp", "tp", "pp", "cp"] + (["ep"] if m.experts else []) + [
             "state", "micro-batch", "ac", "sp", "GB/GPU", "step s", "tokens/s", "TFLOP/s/GPU", "MFU"]
-        rows = [row(p) for p in fit[:args.show]]
+        rows = [row(p, m.experts > 0) for p in fit[:args.show]]
         print_table([head, *rows])
     if args.out is not None:
         (args.out / "plan.json").write_text(json.dumps({

@@ -423,6 +423,17 @@ def test_what_cannot_work_is_said(plan, capsys):
     assert "none fits: the least memory is" in out, out
 
 
+def test_a_model_with_experts_prints_its_ep_column_on_every_row(plan, capsys):
+    """With experts the table has an ep column, and every row fills it: the layouts at ep 1 (the best here) too."""
+    plan.main(["--layers", "4", "--width", "512", "--heads", "8", "--experts", "4", "--top-k", "1", "--gpus", "8",
+               "--global-batch-tokens", str(2**20), "--show", "40"])
+    table = capsys.readouterr().out.splitlines()[2:]
+    rows = [line.split() for line in table]
+    assert rows[0][:6] == ["dp", "tp", "pp", "cp", "ep", "state"] and len(rows) == 41, table
+    assert all(r[4].isdigit() and r[5] in (*plan.PARALLEL, "hsdp") for r in rows[1:]), table  # (no column left out)
+    assert {r[4] for r in rows[1:]} >= {"1", "2"}, table  # (rows of ep 1 and of more)
+
+
 def test_readme_shows_what_the_planner_prints(plan, capsys):
     """at_scale/README.md's planner outputs are what its commands print today, and its Llama 3 table is
     plan.llama3_rows(): no figure there is typed by hand."""

@@ -658,6 +658,9 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
                       ("--replicate", "0"): "--replicate", (*PLAN, "--replicate", "3"): "--replicate",  # 8 GPUs
                       (*PLAN, "--parallel", "ddp", "--replicate", "2"): "--replicate",  # HSDP replicates FSDP2's shards
                       ("--gpus", "8", "--global-batch-tokens", "65536", "--layers", "2"): "--model",  # no width, heads
+                      (*PLAN, "--experts", "8"): "--experts",  # a shape flag beside a preset: not left unread
+                      ("--gpus", "8", "--global-batch-tokens", "65536", "--layers", "2", "--width", "64", "--heads",
+                       "2", "--top-k", "1"): "--top-k",  # no experts to go to
                       (*PLAN, "--out", "{file}/sub"): "--out"},
     # Without --measure it reads its measurements from --out: a folder without them is refused.
     "at_scale/this_machine": {("--measure=1",): "--measure", ("--rounds", "0"): "--rounds",
