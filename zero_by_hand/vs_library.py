@@ -1,6 +1,6 @@
 """The sharding by hand against the library's, step by step: the same weights, to the bit where the sums are.
 
-    python zero_by_hand/vs_library.py                      # W = 2 and 3 processes (gloo), a few seconds each
+    python zero_by_hand/vs_library.py                      # W = 1, 2 and 3 processes (gloo), a few seconds each
     python zero_by_hand/vs_library.py --world-sizes 3 --steps 6
 
 Every rank builds the stages' model (float64, the same weights) and for a few steps trains it with AdamW on its own
@@ -84,7 +84,8 @@ def train(way: str, steps: int, seed: int) -> list[list[torch.Tensor]]:
 def whole_weights(way: str, net: torch.nn.Module, model) -> list[torch.Tensor]:
     """Every weight, whole: FSDP2's and zero3.py's are gathered (here, to compare; training never does)."""
     if way == "FSDP2 + AdamW":
-        return [p.full_tensor() for p in net.parameters()]
+        return [p.full_tensor().clone() for p in net.parameters()]  # (at W = 1 the shard itself: the next step
+        #                                                                  would change what this step kept)
     if way == "zero3.py":
         wholes = []
         for shard, shapes in zip(model.param_shards, model.shapes, strict=True):
@@ -113,7 +114,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, results: mp.SimpleQu
 
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="zero_by_hand/vs_library.py", description=__doc__.splitlines()[0])
-    p.add_argument("--world-sizes", type=list_of(int), default=[2, 3])
+    p.add_argument("--world-sizes", type=list_of(int), default=[1, 2, 3])
     p.add_argument("--steps", type=positive(int), default=4, help="steps compared (DDP's first is its odd one)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=positive(float), default=60.0)
