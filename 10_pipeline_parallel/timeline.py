@@ -83,7 +83,7 @@ def draw(runs: list[dict], path: Path | None = None):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("runs", type=Path, help="schedules.json, written by schedules.py --out")
     parser.add_argument("--m", type=int, help="draw the runs with this many micro-batches (default: the first)")
     parser.add_argument("--out", type=Path, required=True, help="the picture (.png)")

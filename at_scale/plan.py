@@ -38,7 +38,7 @@ from costs import Layout, Model  # noqa: E402
 from tools.cli import ArgumentParser, positive, print_table  # noqa: E402
 
 PARALLEL = ("ddp", "zero1", "zero2", "fsdp")
-MICRO_BATCHES = (1, 2, 4, 8)
+MICRO_BATCHES = (1, 2, 4, 8)  # weighed, and any other --micro-batch asks for
 VOCAB, TOP_K = 128256, 2  # the shape flags' defaults: Llama 3's vocabulary; experts a token goes to
 
 
@@ -55,15 +55,17 @@ class Prediction:
 
 
 def group_link(lay: Layout, dim: str, gpu: hardware.GPU) -> str:
-    """'nvlink' when a group of this grid dimension lies within one node, else 'network'. The grid (13_pipeline_4d/
+    """'nvlink' when every group of this grid dimension lies within one node, else 'network'. The grid (13_pipeline_4d/
     grid.py) orders the ranks pp, dp, cp, tp, tp fastest: a group spans its size times the product of the sizes
-    inside it."""
+    inside it, from a multiple of that span; where the span does not divide a node's GPUs, the node's first boundary
+    cuts a group (6 ranks a group, 8 GPUs a node: ranks 6-11), and a collective waits for its slowest link."""
     inner = {"tp": 1, "cp": lay.tp, "ep": lay.tp, "dp_cp": lay.tp, "ep_replicas": lay.tp * lay.ep,
              "shard_cp": lay.tp, "replicate": lay.tp * lay.shard_cp, "pp": lay.dp * lay.cp * lay.tp}[dim]
     size = group_size(lay, dim)
     if dim == "ep_replicas":  # every ep-th rank of dp x cp: it spans the whole dp x cp line
         inner, size = lay.tp, lay.dp_cp
-    return "nvlink" if inner * size <= gpu.gpus_per_node else "network"
+    span = inner * size
+    return "nvlink" if gpu.gpus_per_node % span == 0 or lay.world <= gpu.gpus_per_node else "network"
 
 
 @dataclass(frozen=True)
@@ -190,7 +192,7 @@ def layouts(m: Model, gpus: int, gpus_per_node: int, sequences: int, fixed: dict
                 for ep in (divisors(m.experts) if m.experts else [1]):
                     if (dp * cp) % ep:
                         continue
-                    for mb in MICRO_BATCHES:
+                    for mb in sorted({*MICRO_BATCHES, fixed.get("micro_batch", 1)}):  # (and any asked for)
                         if (sequences // dp) % mb:
                             continue
                         acc = sequences // dp // mb
@@ -346,6 +348,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"argument --tp: {args.tp} does not divide the {args.model_.kv_heads} (KV) heads")
     if args.ep and not args.model_.experts:
         p.error(f"argument --ep: {args.model_.name} has no experts; give --experts, or leave --ep out")
+    if args.ep and args.model_.experts % args.ep:
+        p.error(f"argument --ep: {args.ep} does not divide --experts {args.model_.experts} (each ep rank holds as "
+                "many experts)")
+    if args.tp and args.tp > args.gpus_per_node:
+        p.error(f"argument --tp: {args.tp} is more than --gpus-per-node {args.gpus_per_node}; tensor parallelism "
+                "stays within a node (its all-reduces come every block)")
     if args.pp and args.pp > args.model_.layers:
         p.error(f"argument --pp: {args.pp} stages for {args.model_.layers} blocks; use at most {args.model_.layers}")
     if args.stages_per_rank and args.stages_per_rank > 1 and args.pp == 1:

@@ -475,23 +475,31 @@ def misordered(preds: list[dict], runs: list[dict]) -> list[tuple[str, str]]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ArgumentParser(prog="at_scale/this_machine.py", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="at_scale/this_machine.py", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--measure", action="store_true", help="measure this machine and the runs again (~10 minutes)")
-    p.add_argument("--rounds", type=positive(int), default=3, help="with --measure: rounds, the layouts in turns")
-    p.add_argument("--steps", type=positive(int), default=20,
-                   help="with --measure: fake-group steps timed per rank (the runs train twice as many)")
-    p.add_argument("--repeats", type=positive(int), default=20,
-                   help="with --measure: timed calls per gloo kind, size and compute before it")
+    p.add_argument("--rounds", type=positive(int), help="with --measure: rounds, the layouts in turns (default 3)")
+    p.add_argument("--steps", type=positive(int),
+                   help="with --measure: fake-group steps timed per rank (the runs train twice as many; default 20)")
+    p.add_argument("--repeats", type=positive(int),
+                   help="with --measure: timed calls per gloo kind, size and compute before it (default 20)")
     p.add_argument("--out", type=Path, default=HERE, help="where --measure writes (default at_scale/); the table "
                                                           "reads from there too")
     p.add_argument("--compute", choices=list(LAYOUTS), help=argparse.SUPPRESS)  # one rank's fake-group steps
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--matmul", choices=["model", "512"], help=argparse.SUPPRESS)  # one process's matmul rate
     args = p.parse_args(argv)
+    table = not args.measure and args.compute is None and args.matmul is None  # the table from --out's files alone
+    for flag in ("rounds", "steps", "repeats") if table else ():
+        if getattr(args, flag) is not None:
+            p.error(f"argument --{flag}: it sets how --measure measures, and this run reads the measurements; add "
+                    f"--measure, or leave --{flag} out")
+    args.rounds, args.steps, args.repeats = args.rounds or 3, args.steps or 20, args.repeats or 20
     if args.measure:
         p.check_out_writable(args.out)
-    elif args.compute is None and args.matmul is None and not (args.out / MACHINE.name).exists():
-        p.error(f"argument --out: no {MACHINE.name} in {args.out}; make one there with --measure")
+    elif table:
+        for needed in (MACHINE.name, RUNS.name):
+            if not (args.out / needed).exists():
+                p.error(f"argument --out: no {needed} in {args.out}; make one there with --measure")
     return args
 
 

@@ -92,7 +92,7 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = ArgumentParser(prog="benchmarks/cp_balance.py", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="benchmarks/cp_balance.py", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--tokens", type=positive(int), default=2048, help="sequence length (a multiple of 8: 2 cp)")
     p.add_argument("--repeats", type=positive(int), default=5, help="timed steps per configuration")
     p.add_argument("--timeout", type=positive(float), default=120.0, help="seconds a collective may wait")

@@ -267,7 +267,7 @@ def available_bytes() -> int | None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = ArgumentParser(prog="benchmarks/cp_memory.py", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="benchmarks/cp_memory.py", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--tokens", type=list_of(int), default=[1024, 2048, 4096, 8192],
                    help=f"context lengths, comma-separated (each a multiple of {MULTIPLE}: 2 cp zigzag chunks)")
     p.add_argument("--heads", type=positive(int), default=4, help="attention heads")

@@ -118,7 +118,7 @@ def readme_tables(balance_csv: Path, dense_csv: Path) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = ArgumentParser(prog="benchmarks/moe_quality.py", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="benchmarks/moe_quality.py", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--quick", action="store_true",
                    help="a tiny model (2 blocks, width 32, context 24), 20 steps a run, one seed")
     p.add_argument("--out", type=Path, default=Path("runs/moe_quality"), help="where to write the CSVs and the runs")

@@ -180,7 +180,7 @@ def figure(rows: list[dict], shown: dict, path: Path, m_shown: int) -> None:
 
 
 def main() -> None:
-    p = ArgumentParser(prog="benchmarks/pipeline_bubble.py", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="benchmarks/pipeline_bubble.py", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--microbatches", type=list_of(int), default=[1, 2, 4, 8, 16], help="comma-separated m")
     p.add_argument("--microbatch-size", type=positive(int), default=128)
     p.add_argument("--width", type=positive(int), default=1024)
@@ -195,6 +195,8 @@ def main() -> None:
         p.error(f"argument --warmup: must be 0 or more, got {args.warmup}")
     if "RANK" not in os.environ or int(os.environ["WORLD_SIZE"]) != 2:
         p.error("run it with torchrun --standalone --nproc_per_node=2 (two stages: one core each)")
+    if args.layers < 2:  # (10's by_hand.py splits the layers between the two stages: each needs one)
+        p.error(f"argument --layers: 2 stages need a layer each, got {args.layers}; use --layers 2 or more")
     if args.figure_m not in ms:
         p.error(f"argument --figure-m: {args.figure_m} is not one of --microbatches {','.join(map(str, ms))}")
     p.check_out_writable(args.out.parent)  # fail now, not after measuring

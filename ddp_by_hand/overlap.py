@@ -419,7 +419,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = ArgumentParser(prog="ddp_by_hand/overlap.py", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="ddp_by_hand/overlap.py", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--hidden", type=positive(int), default=2048, help="width of the MLP's layers")
     p.add_argument("--layers", type=positive(int), default=6, help="square layers (each hidden^2 + hidden parameters)")
     p.add_argument("--batch-size", type=positive(int), default=64, help="samples per step per rank")

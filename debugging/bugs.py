@@ -316,7 +316,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=positive(int), default=32, help="samples per step per rank")
     p.add_argument("--lr", type=positive(float), default=0.05)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--world-size", type=positive(int), default=2)
+    p.add_argument("--world-size", type=positive(int),
+                   help="ranks to start (default 2); under torchrun leave it out: --nproc_per_node sets it")
     p.add_argument("--timeout", type=positive(float), default=10.0,
                    help="seconds a collective waits for the other ranks; the watchdog fires at half of it")
     p.add_argument("--trace", type=Path, help="dump each rank's flight recorder here when the watchdog fires")
@@ -333,11 +334,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--finite-check", action="store_true",
                    help="all-gather every rank's loss before backward; stop at the first one not finite")
     args = p.parse_args(argv)
+    ranks = "--world-size"  # the knob that sets the number of ranks
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: its --nproc_per_node set the world size
+        ranks, world = "--nproc_per_node (torchrun's)", int(os.environ["WORLD_SIZE"])
+        if args.world_size not in (None, world):
+            p.error(f"argument --world-size: torchrun started {world} ranks: leave it out (--nproc_per_node sets it)")
+        args.world_size = world  # the checks below see the ranks there are
+    elif args.world_size is None:
+        args.world_size = 2
     if args.world_size < 2:
-        p.error("argument --world-size: the bugs need 2 ranks or more")
+        p.error(f"argument {ranks}: the bugs need 2 ranks or more")
     if args.bug == "sendrecv" and args.world_size != 2:
-        p.error("argument --world-size: --bug sendrecv exchanges between 2 ranks: give 2")
-    if args.steps <= BUG_STEP:
+        p.error(f"argument {ranks}: --bug sendrecv exchanges between 2 ranks: give 2")
+    if args.time_find_unused:  # it times stage 04's clean step, both ways: it trains nothing, checks and writes nothing
+        for flag, given in (("--bug", args.bug != "none"), ("--find-unused", args.find_unused),
+                            ("--finite-check", args.finite_check), ("--losses", args.losses is not None),
+                            ("--against", args.against is not None), ("--trace", args.trace is not None)):
+            if given:
+                p.error(f"argument {flag}: --time-find-unused only times stage 04's step without a bug, "
+                        f"find_unused_parameters off and on: leave {flag} out, or --time-find-unused")
+    if args.bug == "set_epoch":  # it shows from the second epoch: the first shuffles with seed + 0 either way
+        epoch = len(stage.prepare_dataloader(stage.make_data(args.seed)[0], args.batch_size, 0, args.world_size,
+                                             args.seed))  # steps an epoch: the loader train() makes
+        if args.steps <= epoch:
+            p.error(f"argument --steps: --bug set_epoch shows from the second epoch, and an epoch is {epoch} steps "
+                    f"({args.world_size} ranks, --batch-size {args.batch_size}): give {epoch + 1} steps or more")
+    elif args.bug != "none" and args.steps <= BUG_STEP:
         p.error(f"argument --steps: the bugs strike at step {BUG_STEP}: give more than {BUG_STEP} steps")
     if args.losses is not None:
         try:
@@ -346,9 +368,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"argument --losses: cannot write to {args.losses.parent} ({e.strerror})")
     if args.against is not None:
         try:
-            json.loads(args.against.read_text())
+            reference = json.loads(args.against.read_text())
         except (OSError, ValueError) as e:
             p.error(f"argument --against: cannot read a --losses file from {args.against} ({e})")
+        # What --losses writes: a JSON list of one mean loss per step.
+        if not (isinstance(reference, list) and reference
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in reference)):
+            p.error(f"argument --against: {args.against} is not a --losses file (a JSON list of one mean loss per "
+                    f"step); give a file that --losses wrote")
+        if len(reference) < args.steps:  # the steps past its end would go uncompared
+            p.error(f"argument --against: {args.against} holds {len(reference)} steps' losses, fewer than --steps "
+                    f"{args.steps}: give --steps {len(reference)}, or a file of a longer run")
     if args.trace is not None:
         try:
             ensure_writable(args.trace)
@@ -361,7 +391,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: this process is one of its ranks
-        args.world_size = int(os.environ["WORLD_SIZE"])
         worker(int(os.environ["RANK"]), args, None)
         return
     with tempfile.TemporaryDirectory() as tmp:

@@ -68,6 +68,20 @@ def test_the_measurements_say_what_where_and_when(tm, committed):
     assert all(float(r["others_cores"]) <= tm.QUIET for r in runs), "a run was measured on a busy machine"
 
 
+def test_a_folder_missing_either_measurement_is_refused_in_one_line(tm, tmp_path, capsys):
+    """The table reads this_machine.json and this_machine_runs.csv from --out: either missing, it refuses, naming it
+    (the .csv's absence once reached a FileNotFoundError after the check)."""
+    for present in (tm.MACHINE, tm.RUNS):
+        folder = tmp_path / present.stem
+        folder.mkdir()
+        (folder / present.name).write_bytes(present.read_bytes())
+        with pytest.raises(SystemExit) as ended:
+            tm.parse_args(["--out", str(folder)])
+        missing = ({tm.MACHINE.name, tm.RUNS.name} - {present.name}).pop()
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert ended.value.code == 2 and "argument --out: no " + missing in err, err
+
+
 def test_the_planner_predicts_this_machine(tm, committed):
     """Six or more layouts of two processes, each within 30% of the tokens/s measured; every pair the measurement
     tells apart in the measured order (and there are such pairs: the check can fail), but the one the README names."""

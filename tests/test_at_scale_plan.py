@@ -380,11 +380,14 @@ def test_llama3_presets_have_llama3s_parameters(plan):
 
 def test_the_stages_per_rank_asked_for_is_weighed(plan):
     """plan.py weighs interleaving at v = 2, 4 and a block a stage; a v asked for (--stages-per-rank) is weighed too,
-    where the stages can run it: llama3-8b's 32 blocks on pp 4 at v = 3 (12 stages, uneven), not at v = 9 (36)."""
+    where the stages can run it: llama3-8b's 32 blocks on pp 4 at v = 3 (12 stages, uneven), not at v = 9 (36); so is
+    a micro-batch asked for (--micro-batch)."""
     m = plan.costs.PRESETS["llama3-8b"]
     for v, weighed in ((3, True), (9, False)):
         found = plan.layouts(m, 8, 8, 128, {"pp": 4, "stages_per_rank": v})
         assert bool(found) == weighed and all(lay.schedule == "interleaved1f1b" for lay in found), (v, len(found))
+    # and a micro-batch asked for beyond those weighed by default (plan.MICRO_BATCHES): 16 of dp 8's 32 sequences
+    assert max(plan.MICRO_BATCHES) < 16 and plan.layouts(m, 8, 8, 256, {"dp": 8, "micro_batch": 16})
 
 
 def published(plan, run, **fixed):
@@ -421,6 +424,16 @@ def test_what_cannot_work_is_said(plan, capsys):
     plan.main(["--model", "llama3-70b", "--gpus", "8", "--global-batch-tokens", str(2**20)])
     out = capsys.readouterr().out
     assert "none fits: the least memory is" in out, out
+
+
+def test_a_group_a_node_boundary_cuts_is_on_the_network(plan):
+    """cp x tp groups of 6 ranks: on nodes of 8 GPUs the first boundary cuts ranks 6-11's group (the network); on nodes
+    of 6, or a job of 6 on one node of 8, every group lies in a node (NVLink)."""
+    h100 = plan.hardware.GPUS["h100"]
+    def link(world: int, per_node: int) -> str:
+        lay = plan.costs.Layout(dp=world // 6, tp=2, cp=3, parallel="fsdp")
+        return plan.group_link(lay, "cp", h100._replace(gpus_per_node=per_node))
+    assert (link(24, 8), link(24, 6), link(6, 8), link(24, 4)) == ("network", "nvlink", "nvlink", "network")
 
 
 def test_a_model_with_experts_prints_its_ep_column_on_every_row(plan, capsys):

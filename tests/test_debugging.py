@@ -24,10 +24,15 @@ their output and the flight recorder's files, launching nothing. Each claim is c
   it hangs until --timeout, each rank's stack dump names the line of its receive, and a send is never taken;
 - set_epoch: the replicas stay equal, and the loss comparison with a run that calls it names the first step of
   the second epoch (stage 04's data over 2 ranks of --batch-size).
-Nothing is left running (readme_run's check).
+Nothing is left running (readme_run's check). parse_args, in this process: an --against file that is not what --losses
+writes, or shorter than --steps, is refused; so are the flags --time-find-unused would ignore; under torchrun the
+world-size checks see its ranks and name --nproc_per_node; --steps is refused only where the bug would not show
+(none: never; set_epoch: within the first epoch, counted as DistributedSampler pads it).
 """
 from __future__ import annotations
 
+import json
+import math
 import pickle
 import re
 
@@ -303,3 +308,75 @@ def test_a_forgotten_set_epoch_is_named_by_the_loss_comparison_at_the_second_epo
     assert found, run.stdout
     per_epoch = bugs.stage.N_TRAIN // (2 * bugs.parse_args([]).batch_size)  # steps in an epoch on 2 ranks
     assert int(found.group(1)) == per_epoch, found.group(0)
+
+
+# parse_args, in this process: each setting is refused in one line naming its flag, or accepted as it works.
+def parsed(bugs, monkeypatch, capsys, *argv: str, torchrun_world: int | None = None):
+    """parse_args(argv) as `python debugging/bugs.py` sees it, or as a rank of torchrun's `torchrun_world` ranks:
+    the Namespace, or the refusal's line (asserted one line, exit 2)."""
+    for name in ("TORCHELASTIC_RUN_ID", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    if torchrun_world is not None:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+        monkeypatch.setenv("WORLD_SIZE", str(torchrun_world))
+    try:
+        return bugs.parse_args(list(argv))
+    except SystemExit as e:
+        err = capsys.readouterr().err
+        assert e.code == 2 and err.count("\n") == 1 and err.startswith("debugging/bugs.py: error: argument "), err
+        return err
+
+
+def test_against_takes_only_what_losses_writes_with_a_loss_for_every_step(bugs, monkeypatch, capsys, tmp_path):
+    written = tmp_path / "losses.json"
+    written.write_text(json.dumps([1.25, 1.0, 0.75, 0.5]) + "\n")  # as train() writes --losses: 4 steps
+    for shape in ({"a": 1}, [], ["1.0"], [True], 1.0, [[1.0]]):
+        other = tmp_path / "other.json"
+        other.write_text(json.dumps(shape))
+        err = parsed(bugs, monkeypatch, capsys, "--against", str(other))
+        assert isinstance(err, str) and "argument --against: " in err and "not a --losses file" in err, (shape, err)
+    err = parsed(bugs, monkeypatch, capsys, "--steps", "6", "--against", str(written))  # steps 4 and 5 uncompared
+    assert isinstance(err, str) and "argument --against: " in err and "give --steps 4" in err, err
+    for steps in ("4", "2"):  # a file as long as the run, or longer
+        assert parsed(bugs, monkeypatch, capsys, "--steps", steps, "--against", str(written)).against == written
+
+
+@pytest.mark.parametrize("flag", [("--bug", "drift"), ("--against", "{file}"), ("--finite-check",),
+                                  ("--losses", "{dir}/l.json"), ("--find-unused",), ("--trace", "{dir}/fr")])
+def test_time_find_unused_refuses_the_flags_it_would_ignore(bugs, monkeypatch, capsys, tmp_path, flag):
+    # It times stage 04's clean step both ways: no bug, no check, no loss written or compared, no watchdog armed.
+    (tmp_path / "ref.json").write_text(json.dumps([1.0] * 8))
+    given = [a.format(file=tmp_path / "ref.json", dir=tmp_path) for a in flag]
+    err = parsed(bugs, monkeypatch, capsys, "--time-find-unused", "2", *given)
+    assert isinstance(err, str) and f"argument {flag[0]}: " in err and "--time-find-unused" in err, err
+
+
+def test_time_find_unused_takes_the_flags_it_uses(bugs, monkeypatch, capsys):
+    args = parsed(bugs, monkeypatch, capsys, "--time-find-unused", "2", "--steps", "3", "--batch-size", "16",
+                  "--seed", "1", "--world-size", "3", "--timeout", "5", "--sync-sends")
+    assert not isinstance(args, str) and (args.steps, args.world_size) == (3, 3), args
+
+
+def test_under_torchrun_the_world_size_checks_see_its_ranks_and_name_nproc_per_node(bugs, monkeypatch, capsys):
+    err = parsed(bugs, monkeypatch, capsys, "--bug", "sendrecv", torchrun_world=3)  # hung to the watchdog
+    assert isinstance(err, str) and "argument --nproc_per_node" in err and "give 2" in err, err
+    err = parsed(bugs, monkeypatch, capsys, "--bug", "drift", torchrun_world=1)  # "every parameter equal on 1 ranks"
+    assert isinstance(err, str) and "argument --nproc_per_node" in err, err
+    err = parsed(bugs, monkeypatch, capsys, "--world-size", "2", torchrun_world=3)  # torchrun's 3 would run
+    assert isinstance(err, str) and "argument --world-size: " in err and "--nproc_per_node" in err, err
+    assert parsed(bugs, monkeypatch, capsys, "--bug", "sendrecv", torchrun_world=2).world_size == 2
+    assert parsed(bugs, monkeypatch, capsys, "--world-size", "3", torchrun_world=3).world_size == 3
+    assert parsed(bugs, monkeypatch, capsys).world_size == 2  # without torchrun: --world-size's default
+
+
+def test_steps_are_refused_only_where_the_bug_would_not_show(bugs, monkeypatch, capsys):
+    assert parsed(bugs, monkeypatch, capsys, "--steps", "1").steps == 1  # no bug to wait for
+    err = parsed(bugs, monkeypatch, capsys, "--bug", "drift", "--steps", str(bugs.BUG_STEP))
+    assert isinstance(err, str) and "argument --steps: " in err, err
+    # set_epoch shows from the second epoch on: stage 04's data over W ranks of B, as DistributedSampler pads it.
+    for world, batch in ((3, 32), (2, 32), (2, 100)):
+        epoch = math.ceil(math.ceil(bugs.stage.N_TRAIN / world) / batch)
+        given = ("--bug", "set_epoch", "--world-size", str(world), "--batch-size", str(batch))
+        err = parsed(bugs, monkeypatch, capsys, *given, "--steps", str(epoch))
+        assert isinstance(err, str) and "argument --steps: " in err and f"give {epoch + 1} steps" in err, err
+        assert parsed(bugs, monkeypatch, capsys, *given, "--steps", str(epoch + 1)).steps == epoch + 1

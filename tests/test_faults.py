@@ -614,6 +614,7 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
     "benchmarks/pipeline_bubble": {("--microbatches", "0,4"): "--microbatches",
                                    ("--microbatch-size", "0"): "--microbatch-size", ("--width", "0"): "--width",
                                    ("--layers", "0"): "--layers", ("--steps", "0"): "--steps",
+                                   ("--layers", "1", "--out", "{tmp}/bubble"): "--layers",  # a stage with none
                                    ("--warmup", "-1", "--out", "{tmp}/bubble"): "--warmup",
                                    ("--figure-m", "3", "--out", "{tmp}/bubble"): "--figure-m",
                                    ("--out", "{file}/sub/bubble"): "--out"},
@@ -661,12 +662,19 @@ TOOL_BAD_VALUES: dict[str, dict[tuple[str, ...], str]] = {
                       (*PLAN, "--experts", "8"): "--experts",  # a shape flag beside a preset: not left unread
                       ("--gpus", "8", "--global-batch-tokens", "65536", "--layers", "2", "--width", "64", "--heads",
                        "2", "--top-k", "1"): "--top-k",  # no experts to go to
+                      ("--gpus", "8", "--global-batch-tokens", "65536", "--layers", "2", "--width", "64", "--heads",
+                       "2", "--experts", "4", "--ep", "8"): "--ep",  # not dividing the experts
+                      (*PLAN, "--tp", "8", "--gpus-per-node", "4"): "--tp",  # beyond a node
                       (*PLAN, "--out", "{file}/sub"): "--out"},
     # Without --measure it reads its measurements from --out: a folder without them is refused.
     "at_scale/this_machine": {("--measure=1",): "--measure", ("--rounds", "0"): "--rounds",
                               ("--steps", "0"): "--steps", ("--repeats", "0"): "--repeats",
-                              ("--out", "{tmp}"): "--out", ("--measure", "--out", "{file}/sub"): "--out"},
-    "debugging/bugs": {("--bug", "deadlock"): "--bug", ("--steps", "3"): "--steps",  # the bugs strike at step 3
+                              ("--out", "{tmp}"): "--out", ("--measure", "--out", "{file}/sub"): "--out",
+                              ("--rounds", "7"): "--rounds"},  # without --measure: the measurements are read
+    "debugging/bugs": {("--bug", "deadlock"): "--bug", ("--bug", "drift", "--steps", "3"): "--steps",  # at step 3
+                       ("--bug", "set_epoch", "--steps", "64"): "--steps",  # 64 steps an epoch at 2 ranks of 32
+                       ("--against", "{run}/summary.json"): "--against",  # JSON, not a --losses list
+                       ("--time-find-unused", "2", "--bug", "drift"): "--bug",  # it trains no bug
                        ("--batch-size", "0"): "--batch-size", ("--lr", "nan"): "--lr", ("--seed", "x"): "--seed",
                        ("--world-size", "1"): "--world-size", ("--timeout", "0"): "--timeout",
                        ("--trace", "{file}/sub"): "--trace", ("--time-find-unused", "0"): "--time-find-unused",

@@ -393,6 +393,16 @@ def ddp_outliving_its_group(tree: ast.AST) -> list[tuple[str, int]]:
     return found
 
 
+def test_a_scripts_help_describes_it_in_whole_sentences():
+    """A script whose --help takes its docstring's first line as the description: that line ends a sentence (else
+    --help stops mid-sentence, as this_machine.py's did; such scripts take the first paragraph)."""
+    def first_line(p: Path) -> str:
+        return ast.get_docstring(ast.parse(p.read_text())).splitlines()[0].rstrip()
+    cut = [p.relative_to(ROOT).as_posix() for p in EVERY_SCRIPT if "description=__doc__.splitlines()[0]" in
+           p.read_text() and not first_line(p).endswith((".", ":"))]
+    assert not cut, f"--help stops mid-sentence (use the docstring's first paragraph): {cut}"
+
+
 def test_no_ddp_model_outlives_its_process_group():
     held = {str(p.relative_to(ROOT)): found for p in EVERY_SCRIPT if (found := ddp_outliving_its_group(
         ast.parse(p.read_text())))}
