@@ -250,7 +250,8 @@ def load_snapshot(args: argparse.Namespace, dp: int) -> dict | None:
     found_shapes = {k: list(getattr(metadata.state_dict_metadata.get(k), "size", [])) for k in expected}
     if found_shapes != expected or progress["model"] != cfg._asdict():
         def shape(model: dict) -> str:  # "context 32, layers 4, heads 4, width 128, vocab 65" (14: and experts)
-            return ", ".join(f"{k} {model.get(k)}" for k in [*Config._fields[1:], "vocab"])
+            return ", ".join(f"{k} {model.get(k)}" for k in [*Config._fields[1:], "vocab"]) + "".join(
+                f", {k} {v}" for k, v in model.items() if k not in Config._fields)  # (another stage's: 14's experts)
         raise SnapshotError(f"{path} holds another model: {shape(progress['model'])} (this run: "
                             f"{shape(cfg._asdict())}); resume with the same, or use another --snapshot")
     for piece in metadata.storage_data.values():  # a shard file missing or cut short: found now, not mid-load

@@ -233,6 +233,9 @@ def check_virtual_stages(p: ArgumentParser, args: argparse.Namespace) -> None:
     multi = kind in MULTI
     if v > 1 and args.pp == 1:
         p.error(f"argument --stages-per-rank: {v} stages a rank cut a pipeline; add --pp 2 or more")
+    if multi and args.pp == 1:  # (one rank would build the stages of a pipeline it does not have)
+        p.error(f"argument --pp-schedule: {kind} runs several stages a rank of a pipeline; add --pp 2 or more, or "
+                f"leave --pp-schedule out")
     if args.pp == 1:
         return
     if v > 1 and not multi:  # (torch's GPipe and 1F1B take one stage)
@@ -314,7 +317,8 @@ def load_snapshot(args: argparse.Namespace, dp: int) -> dict | None:
     found_shapes = {k: list(getattr(metadata.state_dict_metadata.get(k), "size", [])) for k in expected}
     if found_shapes != expected or progress["model"] != cfg._asdict():
         def shape(model: dict) -> str:  # "context 32, layers 4, heads 4, width 128, vocab 65" (14: and experts)
-            return ", ".join(f"{k} {model.get(k)}" for k in [*Config._fields[1:], "vocab"])
+            return ", ".join(f"{k} {model.get(k)}" for k in [*Config._fields[1:], "vocab"]) + "".join(
+                f", {k} {v}" for k, v in model.items() if k not in Config._fields)  # (another stage's: 14's experts)
         raise SnapshotError(f"{path} holds another model: {shape(progress['model'])} (this run: "
                             f"{shape(cfg._asdict())}); resume with the same, or use another --snapshot")
     for piece in metadata.storage_data.values():  # a shard file missing or cut short: found now, not mid-load

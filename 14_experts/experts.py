@@ -67,7 +67,9 @@ class WithBalanceLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
         ctx.weight = weight
-        return x.view_as(x)
+        # A copy, not a view: where --compile's graph takes x as an input, it rebuilds a view of it outside the graph,
+        # and this backward is lost (the balancing loss's gradient with it: seen, torch 2.13)
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -250,6 +250,9 @@ def test_bad_expert_flags_are_one_line_and_exit_2():
         (["--aux-weight", "-1"], {}, "--aux-weight: must be 0 (no balancing loss) or positive"),
         (["--capacity-factor", "0"], {}, "--capacity-factor: must be a positive float"),
         (["--experts", "0"], {}, "--experts: must be a positive int"),
+        (["--pp-schedule", "dualpipev"], {}, "--pp-schedule: dualpipev runs several stages a rank of a pipeline"),
+        (["--ep", "2", "--parallel", "fsdp", "--compile", "--ac", "selective"], {"WORLD_SIZE": "2"},
+         "--compile: under --ep, --ac checkpoints the attention alone"),
     ]
     # stage 13's refusals of several stages a rank, and the split backward that --ac selective cannot take
     pp = ["--pp", "2", "--parallel", "fsdp", "--layers", "4", "--accumulate", "4"]
@@ -266,6 +269,7 @@ def test_bad_expert_flags_are_one_line_and_exit_2():
         assert refusal([*pp, "--pp-schedule", schedule, "--stages-per-rank", "2", "--ac", "full"],
                        {"WORLD_SIZE": "2"}, STAGE)[0] == "accepted", schedule
     assert refusal(["--ep", "4", "--experts", "8"], {"WORLD_SIZE": "4"}, STAGE)[0] == "accepted"
+    assert refusal(["--compile", "--ac", "full"], {}, STAGE)[0] == "accepted"  # (ep 1: the whole block compiles)
 
 
 # ─── Several pipeline stages a rank, with experts ───────────────────────────────────────────────────────────────────
@@ -486,6 +490,30 @@ def test_a_split_backward_recomputes_a_checkpointed_block_twice_and_its_experts_
     assert all(torch.equal(a, b) for a, b in zip(full_grads, grads, strict=True))
     with pytest.raises(RuntimeError, match="Trying to backward an extra time"):
         split_backward("selective")
+
+
+def block_gradients(compiled: bool, aux_weight: float) -> list[torch.Tensor]:
+    """A block of the stage (4 experts, 2 a token, float64), compiled as --compile compiles each (or not): the
+    gradients of its weights, the balancing loss's weight `aux_weight`."""
+    stage = load_stage(STAGE)
+    torch.manual_seed(SEED)
+    block = stage.GPT(stage.Config(vocab=10, context=8, layers=1, heads=2, width=16, experts=4, top_k=2)).double() \
+        .blocks["0"]
+    block.moe.aux_weight = aux_weight
+    if compiled:
+        block.compile()
+    x = torch.randn(2, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(SEED))
+    return torch.autograd.grad(block(x).square().sum(), list(block.parameters()))
+
+
+def test_a_compiled_block_keeps_the_balancing_loss_gradient():
+    """--compile: the block's gradients are eager's, the balancing loss's among them (the data-dependent routing
+    breaks the graph, and where WithBalanceLoss returned a view of a graph's input, torch rebuilt it outside the
+    graph and dropped its backward: a compiled run trained as --aux-weight 0, seen)."""
+    eager, compiled, without = block_gradients(False, 0.5), block_gradients(True, 0.5), block_gradients(False, 0.0)
+    assert max((a - b).abs().max().item() for a, b in zip(eager, without, strict=True)) > 1e3 * TOL  # (not blind)
+    gaps = [(a - b).abs().max().item() for a, b in zip(compiled, eager, strict=True)]
+    assert max(gaps) <= TOL, gaps
 
 
 def test_at_k_1_the_router_learns_from_the_loss():

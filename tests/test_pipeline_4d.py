@@ -186,6 +186,7 @@ def test_bad_combinations_are_one_line_and_exit_2():
         (["--pp", "2", "--parallel", "fsdp"], {"WORLD_SIZE": "2"}, "--accumulate: 1F1B needs at least one"),
         # --stages-per-rank: what torch's multi-stage schedules assert, refused before
         (["--stages-per-rank", "2"], {"WORLD_SIZE": "1"}, "--stages-per-rank: 2 stages a rank cut a pipeline"),
+        (["--pp-schedule", "zbv"], {"WORLD_SIZE": "1"}, "--pp-schedule: zbv runs several stages a rank of a pipeline"),
         ([*FS, "--stages-per-rank", "2", "--accumulate", "4"], {"WORLD_SIZE": "2"},
          "--stages-per-rank: 1f1b runs one stage a rank"),
         ([*FS, "--pp-schedule", "interleaved1f1b"], {"WORLD_SIZE": "2"}, "--stages-per-rank: interleaved1f1b holds"),
