@@ -249,6 +249,8 @@ def size_list(text: str) -> list[int]:
             raise argparse.ArgumentTypeError(f"expected sizes such as 4K,1M,64M (positive multiples of 4 bytes), "
                                              f"got {text!r}")
         out.append(int(number) * scale)
+    if len(set(out)) < len(out):  # (a point measured twice, shown once)
+        raise argparse.ArgumentTypeError(f"expected distinct sizes, got {text!r}")
     return out
 
 
@@ -257,16 +259,17 @@ def int_list(text: str) -> list[int]:
         values = [int(v) for v in text.split(",")]
     except ValueError:
         values = []
-    if not values or min(values) < 2:  # one process has nothing to reduce with
-        raise argparse.ArgumentTypeError(f"expected world sizes of 2 or more, such as 2,4, got {text!r}")
+    if not values or min(values) < 2 or len(set(values)) < len(values):  # one process has nothing to reduce with
+        raise argparse.ArgumentTypeError(f"expected distinct world sizes of 2 or more, such as 2,4, got {text!r}")
     return values
 
 
 def name_list(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",")]
     unknown = [n for n in names if n not in ALGORITHMS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {','.join(ALGORITHMS)}")
+    if unknown or not names or len(set(names)) < len(names):
+        raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {','.join(ALGORITHMS)}" if unknown else
+                                         f"expected distinct names from {','.join(ALGORITHMS)}, got {text!r}")
     return names
 
 

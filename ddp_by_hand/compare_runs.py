@@ -40,17 +40,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs", type=Path, nargs="+", help="--out folders of naive.py or bucketed.py")
     p.add_argument("--ddp", type=Path, help="--out folder of stage 04 (torch's DDP) with the same settings")
     args = p.parse_args(argv)
-    missing = [str(r) for r in [*args.runs, *([args.ddp] if args.ddp else [])] if not (r / "summary.json").exists()]
+    every = [*args.runs, *([args.ddp] if args.ddp else [])]
+    missing = [str(r) for r in every if not (r / "summary.json").exists()]
     if missing:
         p.error(f"no summary.json in {', '.join(missing)}: give the --out folder of a finished run")
     ddp = load(args.ddp) if args.ddp else None
     rows = [["run", "stage", "W", "all-reduces/step", "bytes/step", "epoch replay vs 01", "final |Δw| vs DDP",
              "every epoch = DDP's, bit for bit"]]
     failed = False
-    for run in [*args.runs, *([args.ddp] if args.ddp else [])]:
+    tols = {}  # each run's replay against its own dtype's sqrt(eps)
+    for run in every:
         summary, model, trajectory = load(run)
+        tols[summary["dtype"]] = tour.tolerance(summary["dtype"])
         replay = tour.replay_error(summary, trajectory)
-        failed |= replay > tour.tolerance(summary["dtype"])
+        failed |= replay > tols[summary["dtype"]]
         counted = "allreduce_calls_per_step" in summary
         gap = f"{tour.max_abs_diff(ddp[1], model):.1e}" if ddp and run != args.ddp else "-"
         same = ("yes" if identical(trajectory, ddp[2]) else "no") if ddp and run != args.ddp else "-"
@@ -60,9 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
-    tol = tour.tolerance(load(args.runs[0])[0]["dtype"])
+    said = f"= {tols.popitem()[1]:.1e}" if len(tols) == 1 else \
+        "of each run's dtype: " + ", ".join(f"{d} {t:.1e}" for d, t in sorted(tols.items()))
     verdict = "a run FAILED it" if failed else "every run computed stage 01's training"
-    print(f"\n(tolerance of the replay: sqrt(eps) = {tol:.1e}; {verdict})")
+    print(f"\n(tolerance of the replay: sqrt(eps) {said}; {verdict})")
     return 1 if failed else 0
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import readme_run
-from harness import ROOT, Run, check, launch_commands, time_limit
+from harness import ROOT, Run, check, launch_commands, load_copy, time_limit
 
 CHECK = ROOT / "collectives" / "check.py"
 ALGORITHMS = {"ring_simple", "ring", "ring_pieces", "ps"}
@@ -135,3 +135,15 @@ def test_bad_flag_is_one_line_and_exit_2():
     run = launch_commands([[sys.executable, str(CHECK), "--world-size", "0"]], timeout=time_limit())
     assert run.returncode == 2 and run.stdout == "", run.describe()
     assert run.stderr.strip().count("\n") == 0 and "--world-size" in run.stderr
+
+
+def test_a_point_asked_for_twice_is_refused():
+    """--sizes, --world-sizes and --algorithms take each value once: a repeated one was measured twice and the table
+    showed the last of them twice (4K,4K: two rows of the CSV, one of the table)."""
+    import argparse
+    bench = load_copy(ROOT / "collectives" / "benchmark.py")
+    for parse, text in ((bench.size_list, "4K,4K"), (bench.int_list, "2,2"), (bench.name_list, "ring,ring")):
+        with pytest.raises(argparse.ArgumentTypeError, match="distinct"):
+            parse(text)
+    assert (bench.size_list("4K,1M"), bench.int_list("2,4"), bench.name_list("ring")) == ([4096, 2**20], [2, 4],
+                                                                                        ["ring"])
