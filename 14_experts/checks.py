@@ -166,6 +166,10 @@ def check_gpt_args(p: ArgumentParser, args: argparse.Namespace) -> argparse.Name
     if world_size % (args.cp * args.tp):
         p.error(f"argument --cp: {args.cp} x --tp {args.tp} does not divide the world size {world_size} (the grid "
                 f"is dp x cp x tp processes); use a cp that divides {world_size // args.tp}")
+    if args.cp == 1 and (args.no_zigzag or args.cp_impl != "ring"):  # (said, not left unread)
+        flag = "--no-zigzag" if args.no_zigzag else "--cp-impl"
+        p.error(f"argument {flag}: it sets how --cp splits the attention, and --cp 1 splits none; add --cp 2 or more, "
+                f"or leave {flag} out")
     multiple, why = (args.cp, "cp") if args.no_zigzag else (2 * args.cp, "2 x cp: zigzag cuts it into 2 cp chunks")
     if args.cp > 1 and args.context % multiple:
         p.error(f"argument --context: {args.context} is not a multiple of {multiple} ({why}); use --context "

@@ -141,6 +141,8 @@ def test_bad_combinations_are_one_line_and_exit_2():
         (["--cp", "4", "--context", "26", "--no-zigzag"], {"WORLD_SIZE": "4"}, "--context: 26 is not a multiple of 4"),
         (["--cp", "2", "--compile"], {"WORLD_SIZE": "2"}, "--compile: the ring's sends"),
         (["--cp-impl", "torch"], {}, "--cp-impl: invalid choice"),
+        (["--cp-impl", "allgather"], {}, "--cp-impl: it sets how --cp splits the attention, and --cp 1 splits none"),
+        (["--no-zigzag"], {}, "--no-zigzag: it sets how --cp splits the attention"),
     ]
     refused_in_one_line(cases, STAGE)
     assert refusal(["--cp", "4", "--context", "24"], {"WORLD_SIZE": "8"}, STAGE)[0] == "accepted"  # dp 2 x cp 4
