@@ -58,7 +58,7 @@ import hardware  # noqa: E402
 import plan  # noqa: E402
 from costs import Layout  # noqa: E402
 
-from tools.cli import ArgumentParser, free_port, gloo_group, positive, print_table, read_csv, write_csv  # noqa: E402
+from tools.cli import ArgumentParser, free_port, gloo_group, positive, print_table, read_csv, summary, write_csv  # noqa: E402
 
 STAGE = ROOT / "13_pipeline_4d" / "train.py"
 CORPUS = ROOT / "11_gpt" / "data" / "input.txt"
@@ -475,7 +475,7 @@ def misordered(preds: list[dict], runs: list[dict]) -> list[tuple[str, str]]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ArgumentParser(prog="at_scale/this_machine.py", description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = ArgumentParser(prog="at_scale/this_machine.py", description=summary(__doc__))
     p.add_argument("--measure", action="store_true", help="measure this machine and the runs again (~10 minutes)")
     p.add_argument("--rounds", type=positive(int), help="with --measure: rounds, the layouts in turns (default 3)")
     p.add_argument("--steps", type=positive(int),

@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root: tools/
-from tools.cli import ArgumentParser, SentBytes, exit_worker, free_port, gloo_group, positive  # noqa: E402
+from tools.cli import ArgumentParser, SentBytes, exit_worker, free_port, gloo_group, positive, summary  # noqa: E402
 from tour import load_stage  # noqa: E402
 
 WORLD, CPS = 4, (2, 4)
@@ -92,7 +92,7 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = ArgumentParser(prog="benchmarks/cp_balance.py", description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = ArgumentParser(prog="benchmarks/cp_balance.py", description=summary(__doc__))
     p.add_argument("--tokens", type=positive(int), default=2048, help="sequence length (a multiple of 8: 2 cp)")
     p.add_argument("--repeats", type=positive(int), default=5, help="timed steps per configuration")
     p.add_argument("--timeout", type=positive(float), default=120.0, help="seconds a collective may wait")

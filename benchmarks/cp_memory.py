@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root: tools/ and tour.py
-from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive, write_csv  # noqa: E402
+from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive, summary, write_csv  # noqa: E402
 from tour import load_stage  # noqa: E402
 
 WORLD, CPS = 4, (1, 2, 4)
@@ -267,7 +267,7 @@ def available_bytes() -> int | None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = ArgumentParser(prog="benchmarks/cp_memory.py", description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = ArgumentParser(prog="benchmarks/cp_memory.py", description=summary(__doc__))
     p.add_argument("--tokens", type=list_of(int), default=[1024, 2048, 4096, 8192],
                    help=f"context lengths, comma-separated (each a multiple of {MULTIPLE}: 2 cp zigzag chunks)")
     p.add_argument("--heads", type=positive(int), default=4, help="attention heads")

@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root: tools/ and tour.py
-from tools.cli import ArgumentParser, positive, print_table, read_csv, write_csv  # noqa: E402
+from tools.cli import ArgumentParser, positive, print_table, read_csv, summary, write_csv  # noqa: E402
 from tour import load_stage, run_job  # noqa: E402
 
 TINY = ("--layers", "2", "--heads", "2", "--width", "32", "--context", "24")
@@ -118,7 +118,7 @@ def readme_tables(balance_csv: Path, dense_csv: Path) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = ArgumentParser(prog="benchmarks/moe_quality.py", description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = ArgumentParser(prog="benchmarks/moe_quality.py", description=summary(__doc__))
     p.add_argument("--quick", action="store_true",
                    help="a tiny model (2 blocks, width 32, context 24), 20 steps a run, one seed")
     p.add_argument("--out", type=Path, default=Path("runs/moe_quality"), help="where to write the CSVs and the runs")

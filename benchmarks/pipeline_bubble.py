@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
-from tools.cli import ArgumentParser, exit_worker, list_of, positive, read_csv, write_csv  # noqa: E402
+from tools.cli import ArgumentParser, exit_worker, list_of, positive, read_csv, summary, write_csv  # noqa: E402
 
 
 def by_hand():
@@ -180,7 +180,7 @@ def figure(rows: list[dict], shown: dict, path: Path, m_shown: int) -> None:
 
 
 def main() -> None:
-    p = ArgumentParser(prog="benchmarks/pipeline_bubble.py", description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = ArgumentParser(prog="benchmarks/pipeline_bubble.py", description=summary(__doc__))
     p.add_argument("--microbatches", type=list_of(int), default=[1, 2, 4, 8, 16], help="comma-separated m")
     p.add_argument("--microbatch-size", type=positive(int), default=128)
     p.add_argument("--width", type=positive(int), default=1024)

@@ -53,7 +53,7 @@ sys.path.insert(0, str(HERE))  # bucketed.py: the hand-built DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
 import bucketed  # noqa: E402
 
-from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive, write_csv  # noqa: E402
+from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive, summary, write_csv  # noqa: E402
 
 COLUMNS = ["name", "impl", "bucket_mb", "first_bucket_mb", "buckets", "bucket_bytes", "ddp_bucket_bytes", "ranks",
            "steps", "step_ms", "backward_ms", "comm_ms", "hidden_ms", "exposed_ms", "overlap", "first_allreduce_ms",
@@ -419,7 +419,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = ArgumentParser(prog="ddp_by_hand/overlap.py", description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = ArgumentParser(prog="ddp_by_hand/overlap.py", description=summary(__doc__))
     p.add_argument("--hidden", type=positive(int), default=2048, help="width of the MLP's layers")
     p.add_argument("--layers", type=positive(int), default=6, help="square layers (each hidden^2 + hidden parameters)")
     p.add_argument("--batch-size", type=positive(int), default=64, help="samples per step per rank")

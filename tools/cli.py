@@ -18,6 +18,11 @@ from datetime import timedelta
 from pathlib import Path
 
 
+def summary(doc: str) -> str:
+    """A docstring's first paragraph on one line: --help's description (its first line may end mid-sentence)."""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line naming the flag, exit 2 (no usage dump)
         self.exit(2, f"{self.prog}: error: {message}\n")
