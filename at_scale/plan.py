@@ -176,7 +176,7 @@ def layouts(m: Model, gpus: int, gpus_per_node: int, sequences: int, fixed: dict
     dividing the heads (and KV heads) and the MLP, pp at most the blocks (1F1B: at least pp micro-batches; and its
     interleaved schedules: pipeline_schedules), cp with 2 x cp dividing the context (zigzag), ep dividing the experts
     and dp x cp, dp dividing the sequences."""
-    out = []
+    out, micro_batches = [], sorted({*MICRO_BATCHES, fixed.get("micro_batch", 1)})  # (and any asked for)
     for tp in divisors(gpus):
         if tp > gpus_per_node or m.heads % tp or m.kv_heads % tp or m.ffn % tp or (m.vocab_over_tp and m.vocab % tp):
             continue
@@ -192,7 +192,7 @@ def layouts(m: Model, gpus: int, gpus_per_node: int, sequences: int, fixed: dict
                 for ep in (divisors(m.experts) if m.experts else [1]):
                     if (dp * cp) % ep:
                         continue
-                    for mb in sorted({*MICRO_BATCHES, fixed.get("micro_batch", 1)}):  # (and any asked for)
+                    for mb in micro_batches:
                         if (sequences // dp) % mb:
                             continue
                         acc = sequences // dp // mb

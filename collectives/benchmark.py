@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 from allreduce import PIECE_BYTES, ps_all_reduce, ring_all_reduce, ring_all_reduce_simple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ and tour.py
-from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, positive, write_csv  # noqa: E402
+from tools.cli import ArgumentParser, exit_worker, free_port, gloo_group, list_of, positive, write_csv  # noqa: E402
 
 ALGORITHMS = ("all_reduce", "ring", "ps", "ring_simple")
 COLUMNS = ["world_size", "oversubscribed", "algorithm", "bytes", "repeats", "median_ms", "algbw_GBps",
@@ -255,22 +255,14 @@ def size_list(text: str) -> list[int]:
 
 
 def int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 2 or len(set(values)) < len(values):  # one process has nothing to reduce with
-        raise argparse.ArgumentTypeError(f"expected distinct world sizes of 2 or more, such as 2,4, got {text!r}")
+    values = list_of(int)(text)  # distinct positive integers
+    if min(values) < 2:  # one process has nothing to reduce with
+        raise argparse.ArgumentTypeError(f"expected world sizes of 2 or more, such as 2,4, got {text!r}")
     return values
 
 
 def name_list(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",")]
-    unknown = [n for n in names if n not in ALGORITHMS]
-    if unknown or not names or len(set(names)) < len(names):
-        raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {','.join(ALGORITHMS)}" if unknown else
-                                         f"expected distinct names from {','.join(ALGORITHMS)}, got {text!r}")
-    return names
+    return list_of(str, ALGORITHMS)(",".join(n.strip() for n in text.split(",")))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -457,19 +457,25 @@ def test_a_planted_bug_in_the_mixture_is_caught(bug, tmp_path):
     assert max(gaps.values()) > 1e3 * TOL, f"{bug}: within {gaps} of the reference (seed {SEED})"
 
 
+def tiny_block(aux_weight: float) -> torch.nn.Module:
+    """A block of the stage: 4 experts, 2 a token, width 16, float64, the balancing loss's weight `aux_weight`."""
+    stage = load_stage(STAGE)
+    torch.manual_seed(SEED)
+    block = stage.GPT(stage.Config(vocab=10, context=8, layers=1, heads=2, width=16, experts=4, top_k=2)).double() \
+        .blocks["0"]
+    block.moe.aux_weight = aux_weight
+    return block
+
+
 def split_backward(ac: str) -> tuple[int, list[torch.Tensor]]:
     """A block of the stage (4 experts, 2 a token, float64) checkpointed by parallelize.checkpointed (or not: "none"),
     its backward split as the zero-bubble schedules split it: the input's gradient (B), then the weights' (W), two
     autograd calls on one graph, so that torch's checkpoint recomputes the block for each. Without torch's early stop,
     which else ends a recomputation at the last tensor backward needs, before the experts' tally: each recomputation
     then runs the whole forward. Returns (the tallies the block's experts made, the gradients)."""
-    stage = load_stage(STAGE)
-    torch.manual_seed(SEED)
-    block = stage.GPT(stage.Config(vocab=10, context=8, layers=1, heads=2, width=16, experts=4, top_k=2)).double() \
-        .blocks["0"]
-    block.moe.aux_weight = 0.5
+    block = tiny_block(0.5)
     if ac != "none":
-        stage.checkpointed(block, ac)
+        load_stage(STAGE).checkpointed(block, ac)
     x = torch.randn(2, 8, 16, dtype=torch.float64, requires_grad=True)
     with set_checkpoint_early_stop(False):
         loss = block(x).square().sum()
@@ -493,13 +499,8 @@ def test_a_split_backward_recomputes_a_checkpointed_block_twice_and_its_experts_
 
 
 def block_gradients(compiled: bool, aux_weight: float) -> list[torch.Tensor]:
-    """A block of the stage (4 experts, 2 a token, float64), compiled as --compile compiles each (or not): the
-    gradients of its weights, the balancing loss's weight `aux_weight`."""
-    stage = load_stage(STAGE)
-    torch.manual_seed(SEED)
-    block = stage.GPT(stage.Config(vocab=10, context=8, layers=1, heads=2, width=16, experts=4, top_k=2)).double() \
-        .blocks["0"]
-    block.moe.aux_weight = aux_weight
+    """tiny_block's weight gradients, compiled as --compile compiles each block (or not)."""
+    block = tiny_block(aux_weight)
     if compiled:
         block.compile()
     x = torch.randn(2, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(SEED))
